@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Start the local Redis (6379) and PostgreSQL (5432, trust auth, database `test`) that the
+# tests and benchmarks use, unless they already answer. Safe to run repeatedly.
+set -euo pipefail
+
+if ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then
+  echo "start-services: starting redis-server on 127.0.0.1:6379"
+  mkdir -p /var/lib/redis /var/log/redis
+  redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no \
+    --dir /var/lib/redis --logfile /var/log/redis/ci.log
+  for _ in $(seq 50); do redis-cli -h 127.0.0.1 ping >/dev/null 2>&1 && break; sleep 0.1; done
+fi
+
+if ! pg_isready -h 127.0.0.1 -p 5432 -q 2>/dev/null; then
+  echo "start-services: starting PostgreSQL on 127.0.0.1:5432"
+  version="$(ls /etc/postgresql | sort -V | tail -1)"
+  pg_ctlcluster --skip-systemctl-redirect "$version" main start
+  for _ in $(seq 100); do pg_isready -h 127.0.0.1 -p 5432 -q && break; sleep 0.1; done
+fi
+if ! psql -h 127.0.0.1 -U postgres -d test -Atc 'select 1' >/dev/null 2>&1; then
+  psql -h 127.0.0.1 -U postgres -d postgres -c 'CREATE DATABASE test' >/dev/null
+fi

@@ -1,0 +1,62 @@
+#!/usr/bin/env python3
+"""Set up a local virtualenv and run the demo or the checks: `python3 dev.py demo|test|bench`.
+
+Needs nothing but Python 3.10+: it creates `.venv`, installs the package with its `dev`
+extra (again only when pyproject.toml changed), then runs the job inside it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
+PY = BIN / "python"
+
+
+def setup() -> None:
+    """Create .venv and install `.[dev]` unless pyproject.toml is unchanged since the last install."""
+    if not PY.exists():
+        print("dev.py: creating .venv", flush=True)
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    stamp = VENV / ".idem-installed"
+    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    if stamp.exists() and stamp.read_text() == digest:
+        return
+    print("dev.py: installing idem-asgi[dev] into .venv", flush=True)
+    pip = [str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "--upgrade", "pip"], check=True)
+    subprocess.run([*pip, "-e", f"{ROOT}[dev]"], check=True)
+    stamp.write_text(digest)
+
+
+def run(*args: str) -> int:
+    return subprocess.run([str(PY), *args], cwd=ROOT).returncode
+
+
+def main(argv: list[str]) -> int:
+    job = argv[0] if argv else "test"
+    rest = argv[1:]
+    setup()
+    if job == "demo":
+        return run("-m", "examples.storm_demo", *rest)
+    if job == "test":
+        for step in (["-m", "ruff", "check", "."], ["-m", "mypy"]):
+            print("dev.py:", " ".join(step[1:]), flush=True)
+            if (code := run(*step)) != 0:
+                return code
+        return run("-m", "pytest", *rest)
+    if job == "bench":
+        return run("-m", "benchmarks.bench_overhead", *rest)
+    print(f"usage: python3 dev.py demo|test|bench [args...]; unknown job {job!r}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,32 @@
+"""idem_asgi: a retried request has its effect once; every repeat gets the first answer back."""
+
+from .backends import Backend, backend_from_url
+from .context import IdempotencyInfo, current_idempotency
+from .errors import BackendError, BackendUnavailable, ConfigurationError, IdemError
+from .fingerprint import JsonIgnoring, RawBody, custom
+from .keys import scope_from_header, scope_from_state, scope_from_token_hash
+from .middleware import IdempotencyMiddleware
+from .policy import RoutePolicy
+from .records import Record, RecordKey, StoredResponse
+
+__all__ = [
+    "Backend",
+    "BackendError",
+    "BackendUnavailable",
+    "ConfigurationError",
+    "IdemError",
+    "IdempotencyInfo",
+    "IdempotencyMiddleware",
+    "JsonIgnoring",
+    "RawBody",
+    "Record",
+    "RecordKey",
+    "RoutePolicy",
+    "StoredResponse",
+    "backend_from_url",
+    "current_idempotency",
+    "custom",
+    "scope_from_header",
+    "scope_from_state",
+    "scope_from_token_hash",
+]

@@ -1,0 +1,88 @@
+"""Per-request send wrapper: streams the answer to the client while recording it verbatim.
+
+Every chunk but the last goes to the client as soon as the app sends it. The last one is held
+just long enough to write the completion, so a client that has the whole answer and retries
+always finds it stored. The client hanging up never stops the recording.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Container
+
+from ._types import Message, Send
+from .records import StoredResponse
+
+OnFinal = Callable[[StoredResponse], Awaitable[None]]
+
+
+class Capture:
+    """The `send` the app sees on a protected request."""
+
+    __slots__ = (
+        "_chunks",
+        "_excluded",
+        "_headers",
+        "_limit",
+        "_on_final",
+        "_send",
+        "_size",
+        "client_gone",
+        "finished",
+        "started",
+        "status",
+    )
+
+    def __init__(self, send: Send, on_final: OnFinal, *, excluded: Container[bytes], limit: int) -> None:
+        self._send = send
+        self._on_final = on_final
+        self._excluded = excluded
+        self._limit = limit
+        self._chunks: list[bytes] | None = []
+        self._size = 0
+        self._headers: list[tuple[bytes, bytes]] = []
+        self.status = 0
+        self.started = False
+        self.finished = False
+        self.client_gone = False
+
+    async def _forward(self, message: Message) -> None:
+        if self.client_gone:
+            return
+        try:
+            await self._send(message)
+        except OSError:
+            # The client hung up (uvicorn raises ClientDisconnected, an OSError). The app goes on
+            # and its answer is still recorded, as the contract requires.
+            self.client_gone = True
+
+    async def __call__(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.body" and self.started and not self.finished:
+            body = message.get("body", b"")
+            if self._chunks is not None and body:
+                self._size += len(body)
+                if self._size > self._limit:
+                    self._chunks = None
+                else:
+                    self._chunks.append(body)
+            if message.get("more_body", False):
+                await self._forward(message)
+                return
+            self.finished = True
+            if self._chunks is None:
+                response = StoredResponse(self.status, self._headers, b"", replayable=False)
+            else:
+                chunks = self._chunks
+                body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                response = StoredResponse(self.status, self._headers, body)
+            await self._on_final(response)
+            await self._forward(message)
+            return
+        if kind == "http.response.start" and not self.started:
+            self.started = True
+            self.status = message["status"]
+            excluded = self._excluded
+            self._headers = [
+                (bytes(k), bytes(v)) for k, v in message.get("headers", ()) if bytes(k).lower() not in excluded
+            ]
+        await self._forward(message)

@@ -1,0 +1,471 @@
+"""IdempotencyMiddleware: match a policy, claim the key, then run, replay or refuse.
+
+No storage code lives here (that is `backends`), and no decision logic (that is `_decide`).
+The middleware object is shared by every request; per-request state lives in locals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import anyio
+
+from . import problems
+from ._capture import Capture
+from ._decide import Action, decide
+from ._types import ASGIApp, Message, Receive, Scope, Send
+from .backends import Backend, backend_from_url
+from .backends.memory import MemoryBackend
+from .context import STATE_KEY, IdempotencyInfo, _current
+from .errors import ConfigurationError
+from .keys import MalformedKey, ScopeFunc, parse_key
+from .policy import RecoverHook, RoutePolicy, compile_path, seconds
+from .records import Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
+
+logger = logging.getLogger("idem_asgi")
+
+_HIDDEN_EXTENSIONS = ("http.response.pathsend", "http.response.zerocopysend")
+
+
+class _Route:
+    """A RoutePolicy compiled once: everything the hot path needs, precomputed."""
+
+    __slots__ = (
+        "exact",
+        "excluded",
+        "fingerprint",
+        "header",
+        "lease",
+        "max_body",
+        "max_stored_body",
+        "methods",
+        "on_expired",
+        "policy",
+        "recover",
+        "regex",
+        "release_statuses",
+        "required",
+        "retry_after",
+        "scope",
+        "ttl",
+        "wait",
+    )
+
+    def __init__(self, policy: RoutePolicy, header: str, scope: ScopeFunc | None, recover: RecoverHook | None) -> None:
+        self.policy = policy
+        self.exact, self.regex = compile_path(policy.path)
+        self.methods = frozenset(m.upper() for m in policy.methods)
+        if not self.methods:
+            raise ConfigurationError(f"route {policy.path!r} protects no method")
+        self.header = (policy.header or header).lower().encode("latin-1")
+        self.ttl = seconds(policy.ttl)
+        self.lease = seconds(policy.lease)
+        if self.lease > self.ttl:
+            raise ConfigurationError(f"route {policy.path!r}: lease ({self.lease}s) exceeds ttl ({self.ttl}s)")
+        self.wait = 0.0 if policy.wait is None else seconds(policy.wait)
+        self.required = policy.required
+        self.max_body = policy.max_body
+        self.max_stored_body = policy.max_stored_body
+        self.release_statuses = policy.release_statuses
+        self.fingerprint = policy.fingerprint
+        self.scope = policy.scope or scope
+        self.recover = policy.recover or recover
+        self.on_expired = policy.on_expired
+        if self.on_expired not in ("block", "reclaim"):
+            raise ConfigurationError(f"on_expired must be 'block' or 'reclaim', got {self.on_expired!r}")
+        self.retry_after = policy.retry_after
+        self.excluded = frozenset(h.lower().encode("latin-1") for h in policy.excluded_headers)
+
+
+class IdempotencyMiddleware:
+    """Pure ASGI middleware giving protected requests at-most-once effect and byte-identical replays.
+
+    Args:
+        app: The ASGI application to protect.
+        backend: A store (`MemoryBackend()`, `RedisBackend`, `PostgresBackend`) or a URL
+            (`memory://`, `redis://...`, `postgresql://...`). Defaults to a per-process memory store.
+        routes: The route policies; a request matching none passes through untouched.
+        header: Name of the key header (per-route override: `RoutePolicy.header`).
+        scope: Callable from the ASGI scope to the key's owner (tenant, user); None means unscoped.
+        strict: Refuse to start when a route has no scope callable and is not declared single-tenant.
+        namespace: Prefix separating several apps that share one store.
+        on_store_error: `fail_closed` answers 503 when the store fails; `fail_open` runs the app unprotected.
+        recover: Default recovery hook for expired leases (per-route override: `RoutePolicy.recover`).
+        replay_header: Header added to replays.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        backend: Backend | str | None = None,
+        routes: Sequence[RoutePolicy] = (),
+        header: str = "Idempotency-Key",
+        scope: ScopeFunc | None = None,
+        strict: bool = False,
+        namespace: str = "idem",
+        on_store_error: Literal["fail_closed", "fail_open"] = "fail_closed",
+        recover: RecoverHook | None = None,
+        replay_header: str = "Idempotent-Replayed",
+    ) -> None:
+        self.app = app
+        if backend is None:
+            backend = MemoryBackend()
+        elif isinstance(backend, str):
+            backend = backend_from_url(backend)
+        if not isinstance(backend, Backend):
+            raise ConfigurationError(f"{backend!r} does not implement the idem_asgi Backend protocol")
+        self.backend: Backend = backend
+        if on_store_error not in ("fail_closed", "fail_open"):
+            raise ConfigurationError(f"on_store_error must be 'fail_closed' or 'fail_open', got {on_store_error!r}")
+        self.fail_open = on_store_error == "fail_open"
+        self.namespace = namespace
+        self.routes = [_Route(p, header, scope, recover) for p in routes]
+        self._replay_header = (replay_header.lower().encode("latin-1"), b"true")
+        self._exact: dict[str, list[_Route]] = {}
+        self._patterns: list[_Route] = []
+        for r in self.routes:
+            if r.exact is not None:
+                self._exact.setdefault(r.exact, []).append(r)
+            else:
+                self._patterns.append(r)
+        self._methods = frozenset().union(*(r.methods for r in self.routes)) if self.routes else frozenset()
+        for r in self.routes:
+            if r.scope is None and not r.policy.single_tenant:
+                message = (
+                    f"idem_asgi: route {r.policy.path!r} has no scope callable, so all callers share one key space; "
+                    "pass scope=... or declare RoutePolicy(single_tenant=True)"
+                )
+                if strict:
+                    raise ConfigurationError(message)
+                logger.warning(message)
+
+    @property
+    def policies(self) -> list[RoutePolicy]:
+        """The route policies, as given (used by `add_openapi`)."""
+        return [r.policy for r in self.routes]
+
+    def _match(self, path: str, method: str) -> _Route | None:
+        for r in self._exact.get(path, ()):
+            if method in r.methods:
+                return r
+        for r in self._patterns:
+            if method in r.methods and r.regex is not None and r.regex.fullmatch(path):
+                return r
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in self._methods:
+            await self.app(scope, receive, send)
+            return
+        route = self._match(scope["path"], scope["method"])
+        if route is None:
+            await self.app(scope, receive, send)
+            return
+        await self._protect(route, scope, receive, send)
+
+    async def _protect(self, route: _Route, scope: Scope, receive: Receive, send: Send) -> None:
+        raw: bytes | None = None
+        count = 0
+        declared: bytes | None = None
+        for k, v in scope["headers"]:
+            if k == route.header:
+                raw = v
+                count += 1
+            elif k == b"content-length":
+                declared = v
+        if raw is None:
+            if route.required:
+                await problems.send_problem(
+                    send, problems.KEY_REQUIRED, f"This operation requires an {route.header.decode()} header."
+                )
+            else:
+                await self.app(scope, receive, send)
+            return
+        if count > 1:
+            await problems.send_problem(
+                send, problems.KEY_MALFORMED, f"Send exactly one {route.header.decode()} header, not {count}."
+            )
+            return
+        try:
+            key = parse_key(raw)
+        except MalformedKey as exc:
+            await problems.send_problem(send, problems.KEY_MALFORMED, str(exc)[:1].upper() + str(exc)[1:] + ".")
+            return
+        if declared is not None and declared.isdigit() and int(declared) > route.max_body:
+            await self._too_large(route, send)
+            return
+
+        hasher = route.fingerprint.begin(scope)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # http.disconnect: the client left before anything was claimed
+            chunk = message.get("body", b"")
+            if chunk:
+                size += len(chunk)
+                if size > route.max_body:
+                    await self._too_large(route, send)
+                    return
+                hasher.update(chunk)
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        fingerprint = hasher.digest()
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+        owner = route.scope(scope) if route.scope is not None else None
+        rkey = RecordKey.build(self.namespace, owner, key)
+        try:
+            result = await self.backend.claim(rkey, fingerprint, lease=route.lease, ttl=route.ttl)
+        except Exception:
+            logger.exception("idem_asgi: claim failed for %s", route.policy.path)
+            if self.fail_open:
+                await self.app(scope, _replaying(body, receive), send)
+            else:
+                await self._unavailable(route, send)
+            return
+        await self._act(route, scope, receive, send, rkey, owner, fingerprint, body, result)
+
+    async def _act(
+        self,
+        route: _Route,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        rkey: RecordKey,
+        owner: str | None,
+        fingerprint: bytes,
+        body: bytes,
+        result: ClaimResult,
+    ) -> None:
+        action = decide(result, fingerprint)
+        if action is Action.IN_PROGRESS and route.wait:
+            result = await self._wait(route, rkey, fingerprint, result)
+            action = decide(result, fingerprint)
+        if action is Action.RUN:
+            assert isinstance(result, Claimed)
+            await self._run(route, scope, receive, send, rkey, owner, body, result.token)
+        elif action is Action.REPLAY:
+            assert isinstance(result, Existing) and result.record.response is not None
+            await self._replay(send, result.record.response)
+        elif action is Action.MISMATCH:
+            await problems.send_problem(
+                send,
+                problems.FINGERPRINT_MISMATCH,
+                "This idempotency key was already used for a different request (method, path, query or body).",
+            )
+        elif action is Action.IN_PROGRESS:
+            await problems.send_problem(
+                send,
+                problems.IN_PROGRESS,
+                "The first request with this key is still running; retry after the indicated delay.",
+                retry_after=route.retry_after,
+            )
+        elif action is Action.NOT_STORED:
+            await problems.send_problem(
+                send,
+                problems.NOT_STORED,
+                "The request with this key completed, but its response was too large to store; "
+                "fetch the current state of the resource instead of retrying.",
+            )
+        else:
+            assert isinstance(result, Existing)
+            await self._expired(route, scope, receive, send, rkey, owner, fingerprint, body, result.record)
+
+    async def _wait(self, route: _Route, rkey: RecordKey, fingerprint: bytes, result: ClaimResult) -> ClaimResult:
+        """Re-claim with backoff until the first request ends or `route.wait` runs out."""
+        delay = 0.01
+        with anyio.move_on_after(route.wait):
+            while decide(result, fingerprint) is Action.IN_PROGRESS:
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 0.25)
+                try:
+                    result = await self.backend.claim(rkey, fingerprint, lease=route.lease, ttl=route.ttl)
+                except Exception:
+                    logger.exception("idem_asgi: claim failed while waiting")
+                    break
+        return result
+
+    async def _expired(
+        self,
+        route: _Route,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        rkey: RecordKey,
+        owner: str | None,
+        fingerprint: bytes,
+        body: bytes,
+        record: Record,
+    ) -> None:
+        outcome: StoredResponse | Literal["run"] | None = None
+        if route.recover is not None:
+            try:
+                outcome = await route.recover(rkey, record)
+            except Exception:
+                logger.exception("idem_asgi: recover hook failed for key %r", rkey.key)
+                outcome = None
+        elif route.on_expired == "reclaim":
+            outcome = "run"
+        if outcome is None:
+            await problems.send_problem(
+                send,
+                problems.OUTCOME_UNKNOWN,
+                "A request with this key started but its server stopped before finishing; its outcome is "
+                "being reconciled. Check the resource's state before trying again.",
+            )
+            return
+        try:
+            taken = await self.backend.takeover(rkey, record.token, fingerprint, lease=route.lease, ttl=route.ttl)
+            if isinstance(taken, Claimed) and not isinstance(outcome, str):
+                await self.backend.complete(rkey, taken.token, outcome, ttl=route.ttl)
+                await self._replay(send, outcome)
+                return
+        except Exception:
+            logger.exception("idem_asgi: takeover failed")
+            await self._unavailable(route, send)
+            return
+        if isinstance(taken, Existing) and decide(taken, fingerprint) is Action.EXPIRED:
+            await problems.send_problem(
+                send, problems.IN_PROGRESS, "The request is being recovered.", retry_after=route.retry_after
+            )
+            return
+        await self._act(route, scope, receive, send, rkey, owner, fingerprint, body, taken)
+
+    async def _run(
+        self,
+        route: _Route,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        rkey: RecordKey,
+        owner: str | None,
+        body: bytes,
+        token: int,
+    ) -> None:
+        backend = self.backend
+        renewal = _Renewal(backend, rkey, token, route.lease)
+
+        async def on_final(response: StoredResponse) -> None:
+            renewal.stop()
+            try:
+                if response.status in route.release_statuses:
+                    await backend.release(rkey, token)
+                elif not await backend.complete(rkey, token, response, ttl=route.ttl):
+                    logger.warning("idem_asgi: key %r was taken over; this answer was not stored", rkey.key)
+            except Exception:
+                # The effect happened and the client gets its answer; the record stays in progress
+                # and its lease expires into outcome-unknown, which recovery resolves. Never release.
+                logger.exception("idem_asgi: could not store the answer for key %r", rkey.key)
+
+        capture = Capture(send, on_final, excluded=route.excluded, limit=route.max_stored_body)
+        info = IdempotencyInfo(key=rkey.key, scope=owner)
+        app_scope = dict(scope)
+        app_scope["state"] = {**scope.get("state", {}), STATE_KEY: info}
+        extensions = scope.get("extensions")
+        if extensions and any(e in extensions for e in _HIDDEN_EXTENSIONS):
+            app_scope["extensions"] = {k: v for k, v in extensions.items() if k not in _HIDDEN_EXTENSIONS}
+        reset = _current.set(info)
+        try:
+            await self.app(app_scope, _replaying(body, receive), capture)
+        except Exception:
+            renewal.stop()
+            if not capture.finished:
+                with anyio.CancelScope(shield=True):
+                    await self._release(rkey, token)
+            raise
+        except BaseException:
+            # Cancelled mid-flight: the effect may or may not have happened. Keep the claim; its
+            # lease expires into outcome-unknown rather than letting a retry run it twice.
+            renewal.stop()
+            raise
+        finally:
+            _current.reset(reset)
+        renewal.stop()
+        if not capture.finished:
+            await self._release(rkey, token)
+
+    async def _release(self, rkey: RecordKey, token: int) -> None:
+        try:
+            await self.backend.release(rkey, token)
+        except Exception:
+            logger.exception("idem_asgi: could not release key %r; it stays in progress until its lease ends", rkey.key)
+
+    async def _replay(self, send: Send, response: StoredResponse) -> None:
+        headers = list(response.headers)
+        headers.append(self._replay_header)
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        await send({"type": "http.response.body", "body": response.body, "more_body": False})
+
+    async def _too_large(self, route: _Route, send: Send) -> None:
+        await problems.send_problem(
+            send, problems.BODY_TOO_LARGE, f"The request body exceeds this route's limit of {route.max_body} bytes."
+        )
+
+    async def _unavailable(self, route: _Route, send: Send) -> None:
+        await problems.send_problem(
+            send,
+            problems.STORE_UNAVAILABLE,
+            "The idempotency store cannot be reached, so the request was not run; retry later.",
+            retry_after=route.retry_after,
+        )
+
+
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that hands the app the buffered body once, then the real channel (disconnects)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+class _Renewal:
+    """Extends the lease every third of it while the app runs, so a live operation is never taken over."""
+
+    __slots__ = ("_backend", "_handle", "_interval", "_key", "_lease", "_stopped", "_task", "_token")
+
+    def __init__(self, backend: Backend, key: RecordKey, token: int, lease: float) -> None:
+        self._backend = backend
+        self._key = key
+        self._token = token
+        self._lease = lease
+        self._interval = lease / 3
+        self._stopped = False
+        self._task: asyncio.Task[Any] | None = None
+        self._handle: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(self._interval, self._fire)
+
+    def _fire(self) -> None:
+        self._handle = None
+        if not self._stopped:
+            self._task = asyncio.ensure_future(self._extend())
+
+    async def _extend(self) -> None:
+        try:
+            held = await self._backend.extend(self._key, self._token, lease=self._lease)
+        except Exception:
+            logger.warning("idem_asgi: could not extend the lease of key %r; will retry", self._key.key, exc_info=True)
+            held = True
+        if not held:
+            if not self._stopped:
+                logger.warning("idem_asgi: lease of key %r was lost while the app ran", self._key.key)
+            return
+        if not self._stopped:
+            self._handle = asyncio.get_running_loop().call_later(self._interval, self._fire)
+
+    def stop(self) -> None:
+        self._stopped = True
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None

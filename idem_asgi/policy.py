@@ -1,0 +1,130 @@
+"""Route policies: which requests are protected, and how.
+
+Policies match the request path (`scope["path"]`), never a framework's route template:
+a pure ASGI middleware runs before routing and cannot see templates.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable, Container, Iterable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Literal
+
+from .errors import ConfigurationError
+from .fingerprint import FingerprintRule, RawBody
+
+if TYPE_CHECKING:
+    from .keys import ScopeFunc
+    from .records import Record, RecordKey, StoredResponse
+
+Duration = int | float | timedelta
+RecoverHook = Callable[["RecordKey", "Record"], Awaitable["StoredResponse | Literal['run'] | None"]]
+
+DEFAULT_EXCLUDED_HEADERS: frozenset[str] = frozenset(
+    {
+        "set-cookie",
+        "www-authenticate",
+        "proxy-authenticate",
+        "authorization",
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+
+
+def seconds(value: Duration) -> float:
+    """Seconds in `value` (a number of seconds or a timedelta)."""
+    s = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if not s > 0:
+        raise ConfigurationError(f"durations must be positive, got {value!r}")
+    return s
+
+
+@dataclass(frozen=True, slots=True)
+class RoutePolicy:
+    """How one group of routes is protected."""
+
+    path: str
+    """`/payments`, `/orders/{order_id}/refunds` (one path segment per `{name}`), or `/api/*` (prefix)."""
+
+    methods: Iterable[str] = ("POST", "PATCH")
+    """HTTP methods protected on this path; other methods pass through."""
+
+    ttl: Duration = 86_400
+    """How long a completed answer is kept and replayed (seconds or timedelta); 24 h by default."""
+
+    lease: Duration = 30
+    """How long a claim stays live without renewal; renewed every third of it while the app runs."""
+
+    required: bool = False
+    """Answer 400 when the key is missing; otherwise a request without a key passes through unprotected."""
+
+    header: str | None = None
+    """Key header name for this route; defaults to the middleware's (`Idempotency-Key`)."""
+
+    max_body: int = 1 << 20
+    """Largest request body buffered, in bytes; larger requests get 413 before any claim."""
+
+    max_stored_body: int = 1 << 20
+    """Largest response body stored for replay; a larger one reaches the first client whole and
+    is recorded as completed-not-replayable."""
+
+    release_statuses: Container[int] = range(500, 600)
+    """Statuses that release the claim instead of storing it, so a retry runs again."""
+
+    fingerprint: FingerprintRule = field(default_factory=RawBody)
+    """What makes two requests the same operation: `RawBody()`, `JsonIgnoring("ts")` or `custom(fn)`."""
+
+    scope: ScopeFunc | None = None
+    """Who the key belongs to (tenant, user, API key id); overrides the middleware's scope callable."""
+
+    single_tenant: bool = False
+    """Declare that this route needs no scope (silences the start-up warning and strict mode)."""
+
+    wait: Duration | None = None
+    """Hold a repeat of an in-progress request up to this long and replay when done; None answers 409 at once."""
+
+    retry_after: int = 1
+    """Seconds put in `Retry-After` on 409 in-progress and 503 answers."""
+
+    on_expired: Literal["block", "reclaim"] = "block"
+    """A lease that expired means the holder died with the outcome unknown. `block` answers
+    `outcome-unknown` until the recover hook, the reconcile tool or the TTL resolves it;
+    `reclaim` re-runs the request (only for handlers whose effects are idempotent downstream)."""
+
+    recover: RecoverHook | None = None
+    """Awaited on an expired lease before anything runs again: return a `StoredResponse` (store and
+    replay it), `"run"` (the operation did not happen; run it now), or None (unknown; block)."""
+
+    excluded_headers: Iterable[str] = DEFAULT_EXCLUDED_HEADERS
+    """Response headers never stored (the first client still gets them)."""
+
+
+_PARAM = re.compile(r"\{[A-Za-z_][A-Za-z0-9_]*\}")
+
+
+def compile_path(pattern: str) -> tuple[str | None, re.Pattern[str] | None]:
+    """Return (exact path, None) for a literal pattern, else (None, compiled regex)."""
+    if not pattern.startswith("/"):
+        raise ConfigurationError(f"route paths start with '/': {pattern!r}")
+    prefix = pattern.endswith("/*")
+    body = pattern[:-2] if prefix else pattern
+    if not prefix and _PARAM.search(body) is None and "*" not in body:
+        return body, None
+    if "*" in body:
+        raise ConfigurationError(f"'*' is only allowed as a trailing '/*': {pattern!r}")
+    regex = ""
+    pos = 0
+    for m in _PARAM.finditer(body):
+        regex += re.escape(body[pos : m.start()]) + "[^/]+"
+        pos = m.end()
+    regex += re.escape(body[pos:])
+    regex += "(?:/.*)?" if prefix else ""
+    return None, re.compile(regex)

@@ -1,0 +1,97 @@
+"""What is stored per idempotency key: msgspec Structs and the one encoder/decoder pair.
+
+The record is a versioned schema: new fields are only ever appended, with defaults,
+because records written by an older release must still decode (array_like layout).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Final, Literal
+
+import msgspec
+
+IN_PROGRESS: Final = "in_progress"
+COMPLETED: Final = "completed"
+State = Literal["in_progress", "completed"]
+
+
+class StoredResponse(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """The application's answer, verbatim: status, header pairs in order, body bytes.
+
+    `replayable` is False when the body exceeded the route's storable limit: the first
+    client got every byte, later repeats get a `response-not-stored` problem.
+    """
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes = b""
+    replayable: bool = True
+
+
+class Record(msgspec.Struct, frozen=True, gc=False):
+    """One idempotency record as the middleware sees it, whatever the store's own layout.
+
+    Times are seconds since the epoch on the *store's* clock.
+    """
+
+    state: State
+    fingerprint: bytes
+    token: int
+    lease_until: float
+    expires_at: float
+    response: StoredResponse | None = None
+
+
+class RecordKey(msgspec.Struct, frozen=True, gc=False):
+    """(namespace, scope, key) plus the digest the stores index by.
+
+    The digest hashes a length-prefixed encoding, so `a:b`+`c` and `a`+`b:c` never collide
+    and client-chosen characters (`{`, `*`, `:`) never reach a Redis key or a glob.
+    """
+
+    namespace: str
+    scope: str
+    key: str
+    digest: str
+
+    @classmethod
+    def build(cls, namespace: str, scope: str | None, key: str) -> RecordKey:
+        """Make the key for (namespace, scope, key); a scope of None or "" means unscoped."""
+        scope = scope or ""
+        h = hashlib.sha256()
+        for part in (namespace, scope, key):
+            raw = part.encode("utf-8", "surrogateescape")
+            h.update(len(raw).to_bytes(4, "big"))
+            h.update(raw)
+        return cls(namespace, scope, key, h.hexdigest())
+
+
+_response_encoder: Final = msgspec.msgpack.Encoder()
+_response_decoder: Final = msgspec.msgpack.Decoder(StoredResponse)
+
+
+def encode_response(response: StoredResponse) -> bytes:
+    """Serialise a response for a store that keeps it as one blob."""
+    return _response_encoder.encode(response)
+
+
+def decode_response(data: bytes) -> StoredResponse:
+    """Inverse of `encode_response`."""
+    return _response_decoder.decode(data)
+
+
+class Claimed(msgspec.Struct, frozen=True, gc=False):
+    """The caller now owns the key; every later write must carry this fencing token."""
+
+    token: int
+
+
+class Existing(msgspec.Struct, frozen=True, gc=False):
+    """The key was already held; `now` is the store's clock, to judge the lease by."""
+
+    record: Record
+    now: float
+
+
+ClaimResult = Claimed | Existing

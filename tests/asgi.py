@@ -1,0 +1,105 @@
+"""A raw ASGI driver and tiny apps: scripted `receive`, every `send` message recorded.
+
+httpx's ASGITransport cannot deliver a mid-stream disconnect nor show message boundaries,
+so tests that care about those use `drive`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from idem_asgi._types import ASGIApp, Message
+
+
+@dataclass
+class Result:
+    """What the app sent, message by message."""
+
+    messages: list[Message] = field(default_factory=list)
+
+    @property
+    def status(self) -> int:
+        return int(next(m["status"] for m in self.messages if m["type"] == "http.response.start"))
+
+    @property
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [tuple(h) for h in next(m for m in self.messages if m["type"] == "http.response.start")["headers"]]
+
+    def header(self, name: str) -> bytes | None:
+        raw = name.lower().encode()
+        return next((v for k, v in self.headers if k == raw), None)
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(m.get("body", b"") for m in self.messages if m["type"] == "http.response.body")
+
+    @property
+    def chunks(self) -> list[bytes]:
+        return [m.get("body", b"") for m in self.messages if m["type"] == "http.response.body"]
+
+
+def http_scope(
+    method: str = "POST",
+    path: str = "/payments",
+    *,
+    key: str | None = None,
+    headers: Sequence[tuple[str, str]] = (),
+    query: bytes = b"",
+    extensions: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """An ASGI HTTP scope; `key` adds one Idempotency-Key header."""
+    raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+    if key is not None:
+        raw.append((b"idempotency-key", key.encode("latin-1")))
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": query,
+        "root_path": "",
+        "headers": raw,
+        "client": ("127.0.0.1", 1234),
+        "server": ("127.0.0.1", 80),
+        "extensions": extensions or {},
+    }
+
+
+async def drive(
+    app: ASGIApp,
+    scope: dict[str, Any],
+    body: Sequence[bytes] = (b"",),
+    *,
+    disconnect_after_first_chunk: bool = False,
+    send_raises_after: int | None = None,
+) -> Result:
+    """Call `app` once. The body is delivered in the given chunks, then the channel waits;
+    with `disconnect_after_first_chunk`, `http.disconnect` arrives once the app has sent one
+    body chunk; with `send_raises_after=n`, the n+1-th send raises OSError like a gone client."""
+    result = Result()
+    chunks = list(body)
+    gone = asyncio.Event()
+
+    async def receive() -> Message:
+        if chunks:
+            chunk = chunks.pop(0)
+            return {"type": "http.request", "body": chunk, "more_body": bool(chunks)}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        if send_raises_after is not None and len(result.messages) >= send_raises_after:
+            gone.set()
+            raise OSError("client disconnected")
+        result.messages.append(dict(message))
+        if disconnect_after_first_chunk and message["type"] == "http.response.body":
+            gone.set()
+
+    await app(scope, receive, send)
+    return result

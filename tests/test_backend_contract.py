@@ -1,0 +1,214 @@
+"""The backend contract: the same tests, unchanged, on every store (memory, redis, postgres)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from idem_asgi._decide import Action, decide
+from idem_asgi.backends import Backend
+from idem_asgi.records import COMPLETED, IN_PROGRESS, Claimed, Existing, RecordKey, StoredResponse
+
+DAY = 86_400.0
+RESPONSE = StoredResponse(
+    201,
+    [(b"content-type", b"application/json"), (b"x-b", b"2"), (b"x-a", b"1"), (b"x-b", b"3")],
+    bytes(range(256)) * 4,
+)
+
+
+def k(namespace: str, key: str = "key-1", scope: str | None = None) -> RecordKey:
+    return RecordKey.build(namespace, scope, key)
+
+
+async def test_first_claim_owns_the_key(backend: Backend, namespace: str) -> None:
+    result = await backend.claim(k(namespace), b"fp", lease=30, ttl=DAY)
+    assert isinstance(result, Claimed)
+    assert result.token > 0
+
+
+async def test_second_claim_reads_the_in_progress_record(backend: Backend, namespace: str) -> None:
+    first = await backend.claim(k(namespace), b"fp", lease=30, ttl=DAY)
+    second = await backend.claim(k(namespace), b"other", lease=30, ttl=DAY)
+    assert isinstance(first, Claimed) and isinstance(second, Existing)
+    rec = second.record
+    assert (rec.state, rec.fingerprint, rec.token, rec.response) == (IN_PROGRESS, b"fp", first.token, None)
+    assert 29 < rec.lease_until - second.now <= 30.5
+    assert DAY - 5 < rec.expires_at - second.now <= DAY + 1
+
+
+async def test_completed_record_returns_response_verbatim(backend: Backend, namespace: str) -> None:
+    claimed = await backend.claim(k(namespace), b"fp", lease=30, ttl=DAY)
+    assert isinstance(claimed, Claimed)
+    assert await backend.complete(k(namespace), claimed.token, RESPONSE, ttl=DAY) is True
+    again = await backend.claim(k(namespace), b"fp", lease=30, ttl=DAY)
+    assert isinstance(again, Existing)
+    assert again.record.state == COMPLETED
+    assert again.record.fingerprint == b"fp"
+    assert again.record.response == RESPONSE
+    assert decide(again, b"fp") is Action.REPLAY
+
+
+async def test_complete_with_a_stale_token_is_fenced_out(backend: Backend, namespace: str) -> None:
+    claimed = await backend.claim(k(namespace), b"fp", lease=30, ttl=DAY)
+    assert isinstance(claimed, Claimed)
+    assert await backend.complete(k(namespace), claimed.token + 1, RESPONSE, ttl=DAY) is False
+    rec = await backend.get(k(namespace))
+    assert rec is not None and rec.state == IN_PROGRESS and rec.response is None
+
+
+async def test_release_frees_the_key_for_a_new_claim(backend: Backend, namespace: str) -> None:
+    first = await backend.claim(k(namespace), b"fp", lease=30, ttl=DAY)
+    assert isinstance(first, Claimed)
+    assert await backend.release(k(namespace), first.token) is True
+    assert await backend.get(k(namespace)) is None
+    second = await backend.claim(k(namespace), b"fp", lease=30, ttl=DAY)
+    assert isinstance(second, Claimed) and second.token != first.token
+
+
+async def test_release_with_a_stale_token_is_fenced_out(backend: Backend, namespace: str) -> None:
+    first = await backend.claim(k(namespace), b"fp", lease=30, ttl=DAY)
+    assert isinstance(first, Claimed)
+    assert await backend.release(k(namespace), first.token + 1) is False
+    assert await backend.get(k(namespace)) is not None
+
+
+async def test_release_never_deletes_a_completed_record(backend: Backend, namespace: str) -> None:
+    first = await backend.claim(k(namespace), b"fp", lease=30, ttl=DAY)
+    assert isinstance(first, Claimed)
+    assert await backend.complete(k(namespace), first.token, RESPONSE, ttl=DAY)
+    assert await backend.release(k(namespace), first.token) is False
+    rec = await backend.get(k(namespace))
+    assert rec is not None and rec.state == COMPLETED
+
+
+async def test_extend_pushes_the_lease_by_the_store_clock(backend: Backend, namespace: str) -> None:
+    first = await backend.claim(k(namespace), b"fp", lease=1, ttl=DAY)
+    assert isinstance(first, Claimed)
+    before = await backend.get(k(namespace))
+    assert await backend.extend(k(namespace), first.token, lease=60) is True
+    after = await backend.get(k(namespace))
+    assert before is not None and after is not None
+    assert after.lease_until >= before.lease_until + 58
+    assert await backend.extend(k(namespace), first.token + 1, lease=60) is False
+
+
+async def test_extend_of_a_completed_record_is_refused(backend: Backend, namespace: str) -> None:
+    first = await backend.claim(k(namespace), b"fp", lease=30, ttl=DAY)
+    assert isinstance(first, Claimed)
+    assert await backend.complete(k(namespace), first.token, RESPONSE, ttl=DAY)
+    assert await backend.extend(k(namespace), first.token, lease=60) is False
+
+
+async def test_expired_lease_is_reported_and_the_record_kept(backend: Backend, namespace: str) -> None:
+    first = await backend.claim(k(namespace), b"fp", lease=0.2, ttl=DAY)
+    assert isinstance(first, Claimed)
+    await asyncio.sleep(0.35)
+    again = await backend.claim(k(namespace), b"fp", lease=0.2, ttl=DAY)
+    assert isinstance(again, Existing)
+    assert again.record.token == first.token
+    assert decide(again, b"fp") is Action.EXPIRED
+
+
+async def test_takeover_of_an_expired_lease_fences_the_old_holder(backend: Backend, namespace: str) -> None:
+    first = await backend.claim(k(namespace), b"fp", lease=0.2, ttl=DAY)
+    assert isinstance(first, Claimed)
+    await asyncio.sleep(0.35)
+    taken = await backend.takeover(k(namespace), first.token, b"fp", lease=30, ttl=DAY)
+    assert isinstance(taken, Claimed) and taken.token != first.token
+    assert await backend.complete(k(namespace), first.token, RESPONSE, ttl=DAY) is False
+    assert await backend.release(k(namespace), first.token) is False
+    assert await backend.extend(k(namespace), first.token, lease=30) is False
+    assert await backend.complete(k(namespace), taken.token, RESPONSE, ttl=DAY) is True
+
+
+async def test_takeover_of_a_live_lease_is_refused(backend: Backend, namespace: str) -> None:
+    first = await backend.claim(k(namespace), b"fp", lease=30, ttl=DAY)
+    assert isinstance(first, Claimed)
+    taken = await backend.takeover(k(namespace), first.token, b"fp", lease=30, ttl=DAY)
+    assert isinstance(taken, Existing) and taken.record.token == first.token
+
+
+async def test_takeover_with_the_wrong_stale_token_is_refused(backend: Backend, namespace: str) -> None:
+    first = await backend.claim(k(namespace), b"fp", lease=0.2, ttl=DAY)
+    assert isinstance(first, Claimed)
+    await asyncio.sleep(0.35)
+    taken = await backend.takeover(k(namespace), first.token + 1, b"fp", lease=30, ttl=DAY)
+    assert isinstance(taken, Existing) and taken.record.token == first.token
+
+
+async def test_only_one_of_two_concurrent_takeovers_wins(backend: Backend, namespace: str) -> None:
+    first = await backend.claim(k(namespace), b"fp", lease=0.2, ttl=DAY)
+    assert isinstance(first, Claimed)
+    await asyncio.sleep(0.35)
+    results = await asyncio.gather(
+        *[backend.takeover(k(namespace), first.token, b"fp", lease=30, ttl=DAY) for _ in range(20)]
+    )
+    assert sum(isinstance(r, Claimed) for r in results) == 1
+
+
+async def test_expired_record_counts_as_new(backend: Backend, namespace: str) -> None:
+    first = await backend.claim(k(namespace), b"fp", lease=0.2, ttl=0.3)
+    assert isinstance(first, Claimed)
+    assert await backend.complete(k(namespace), first.token, RESPONSE, ttl=0.3)
+    await asyncio.sleep(0.5)
+    assert await backend.get(k(namespace)) is None
+    again = await backend.claim(k(namespace), b"other", lease=30, ttl=DAY)
+    assert isinstance(again, Claimed)
+
+
+async def test_thirty_day_ttl_is_kept(backend: Backend, namespace: str) -> None:
+    first = await backend.claim(k(namespace), b"fp", lease=30, ttl=30 * DAY)
+    assert isinstance(first, Claimed)
+    assert await backend.complete(k(namespace), first.token, RESPONSE, ttl=30 * DAY)
+    again = await backend.claim(k(namespace), b"fp", lease=30, ttl=30 * DAY)
+    assert isinstance(again, Existing)
+    assert 30 * DAY - 5 < again.record.expires_at - again.now <= 30 * DAY + 1
+
+
+async def test_get_of_an_absent_key_is_none(backend: Backend, namespace: str) -> None:
+    assert await backend.get(k(namespace)) is None
+
+
+async def test_scopes_never_share_a_record(backend: Backend, namespace: str) -> None:
+    a = await backend.claim(k(namespace, "same", scope="tenant-a"), b"fp", lease=30, ttl=DAY)
+    b = await backend.claim(k(namespace, "same", scope="tenant-b"), b"fp", lease=30, ttl=DAY)
+    c = await backend.claim(k(namespace, "same"), b"fp", lease=30, ttl=DAY)
+    assert isinstance(a, Claimed) and isinstance(b, Claimed) and isinstance(c, Claimed)
+
+
+async def test_length_prefixing_keeps_look_alike_keys_apart(backend: Backend, namespace: str) -> None:
+    a = await backend.claim(RecordKey.build(namespace, "a:b", "c"), b"fp", lease=30, ttl=DAY)
+    b = await backend.claim(RecordKey.build(namespace, "a", "b:c"), b"fp", lease=30, ttl=DAY)
+    assert isinstance(a, Claimed) and isinstance(b, Claimed)
+
+
+async def test_hostile_key_characters_are_stored_safely(backend: Backend, namespace: str) -> None:
+    for key in ("*", "{tag}", "'; DROP TABLE idem_records; --", "a:b:c", "\\x00"):
+        claimed = await backend.claim(k(namespace, key), b"fp", lease=30, ttl=DAY)
+        assert isinstance(claimed, Claimed), key
+        assert await backend.complete(k(namespace, key), claimed.token, RESPONSE, ttl=DAY)
+        rec = await backend.get(k(namespace, key))
+        assert rec is not None and rec.response == RESPONSE
+
+
+async def test_hundred_concurrent_claims_have_exactly_one_winner(backend: Backend, namespace: str) -> None:
+    results = await asyncio.gather(*[backend.claim(k(namespace), b"fp", lease=30, ttl=DAY) for _ in range(100)])
+    winners = [r for r in results if isinstance(r, Claimed)]
+    assert len(winners) == 1
+    assert all(r.record.token == winners[0].token for r in results if isinstance(r, Existing))
+
+
+async def test_not_replayable_marker_survives_the_store(backend: Backend, namespace: str) -> None:
+    claimed = await backend.claim(k(namespace), b"fp", lease=30, ttl=DAY)
+    assert isinstance(claimed, Claimed)
+    marker = StoredResponse(200, [(b"content-type", b"text/plain")], b"", replayable=False)
+    assert await backend.complete(k(namespace), claimed.token, marker, ttl=DAY)
+    again = await backend.claim(k(namespace), b"fp", lease=30, ttl=DAY)
+    assert isinstance(again, Existing) and again.record.response == marker
+    assert decide(again, b"fp") is Action.NOT_STORED
+
+
+async def test_backend_is_an_async_context_manager(backend: Backend) -> None:
+    assert isinstance(backend, Backend)
+    async with backend as entered:  # type: ignore[attr-defined]
+        assert entered is backend
