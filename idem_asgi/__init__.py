@@ -6,6 +6,7 @@ from .errors import BackendError, BackendUnavailable, ConfigurationError, IdemEr
 from .fingerprint import JsonIgnoring, RawBody, custom
 from .keys import scope_from_header, scope_from_state, scope_from_token_hash
 from .middleware import IdempotencyMiddleware
+from .openapi import add_openapi
 from .policy import RoutePolicy
 from .records import Record, RecordKey, StoredResponse
 
@@ -23,6 +24,7 @@ __all__ = [
     "RecordKey",
     "RoutePolicy",
     "StoredResponse",
+    "add_openapi",
     "backend_from_url",
     "current_idempotency",
     "custom",
