@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Container
 
+import anyio
+
 from ._types import Message, Send
 from .records import StoredResponse
 
@@ -26,6 +28,7 @@ class Capture:
         "_on_final",
         "_send",
         "_size",
+        "_waiter",
         "client_gone",
         "finished",
         "started",
@@ -44,6 +47,20 @@ class Capture:
         self.started = False
         self.finished = False
         self.client_gone = False
+        self._waiter: anyio.Event | None = None
+
+    async def wait_finished(self) -> None:
+        """Return once the app has sent its last body chunk, or `wake()` was called."""
+        if self.finished:
+            return
+        if self._waiter is None:
+            self._waiter = anyio.Event()
+        await self._waiter.wait()
+
+    def wake(self) -> None:
+        """Release every `wait_finished()` caller (the answer is complete, or the app returned)."""
+        if self._waiter is not None:
+            self._waiter.set()
 
     async def _forward(self, message: Message) -> None:
         if self.client_gone:
@@ -75,8 +92,11 @@ class Capture:
                 chunks = self._chunks
                 body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                 response = StoredResponse(self.status, self._headers, body)
-            await self._on_final(response)
-            await self._forward(message)
+            try:
+                await self._on_final(response)
+                await self._forward(message)
+            finally:
+                self.wake()
             return
         if kind == "http.response.start" and not self.started:
             self.started = True

@@ -89,7 +89,7 @@ class JsonIgnoring:
     """JSON bodies compared without the given top-level fields (timestamps, client nonces).
 
     Semantically equal bodies match: keys are sorted and whitespace dropped before hashing.
-    A body that is not JSON is hashed as raw bytes.
+    A body that is not JSON (or nests deeper than the decoder allows) is hashed as raw bytes.
     """
 
     __slots__ = ("fields", "headers")
@@ -104,7 +104,9 @@ class JsonIgnoring:
         def finish(body: bytes) -> bytes:
             try:
                 doc = _json_decode(body)
-            except msgspec.DecodeError:
+            except (msgspec.DecodeError, RecursionError):
+                # RecursionError: nesting deeper than msgspec will decode. Hashing the raw bytes
+                # keeps such a body comparable instead of failing the request with a 500.
                 head.update(b"raw")
                 head.update(body)
             else:

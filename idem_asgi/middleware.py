@@ -57,7 +57,9 @@ class _Route:
     def __init__(self, policy: RoutePolicy, header: str, scope: ScopeFunc | None, recover: RecoverHook | None) -> None:
         self.policy = policy
         self.exact, self.regex = compile_path(policy.path)
-        self.methods = frozenset(m.upper() for m in policy.methods)
+        # A bare string is one method: iterating "POST" would protect "P", "O", "S" and "T".
+        methods = (policy.methods,) if isinstance(policy.methods, str) else policy.methods
+        self.methods = frozenset(m.upper() for m in methods)
         if not self.methods:
             raise ConfigurationError(f"route {policy.path!r} protects no method")
         self.header = (policy.header or header).lower().encode("latin-1")
@@ -77,7 +79,8 @@ class _Route:
         if self.on_expired not in ("block", "reclaim"):
             raise ConfigurationError(f"on_expired must be 'block' or 'reclaim', got {self.on_expired!r}")
         self.retry_after = policy.retry_after
-        self.excluded = frozenset(h.lower().encode("latin-1") for h in policy.excluded_headers)
+        excluded = (policy.excluded_headers,) if isinstance(policy.excluded_headers, str) else policy.excluded_headers
+        self.excluded = frozenset(h.lower().encode("latin-1") for h in excluded)
 
 
 class IdempotencyMiddleware:
@@ -373,7 +376,7 @@ class IdempotencyMiddleware:
             app_scope["extensions"] = {k: v for k, v in extensions.items() if k not in _HIDDEN_EXTENSIONS}
         reset = _current.set(info)
         try:
-            await self.app(app_scope, _replaying(body, receive), capture)
+            await self.app(app_scope, _holding_disconnect(body, receive, capture), capture)
         except Exception:
             renewal.stop()
             if not capture.finished:
@@ -386,6 +389,7 @@ class IdempotencyMiddleware:
             renewal.stop()
             raise
         finally:
+            capture.wake()
             _current.reset(reset)
         renewal.stop()
         if not capture.finished:
@@ -427,6 +431,33 @@ def _replaying(body: bytes, receive: Receive) -> Receive:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
         return await receive()
+
+    return replay
+
+
+def _holding_disconnect(body: bytes, receive: Receive, capture: Capture) -> Receive:
+    """Like `_replaying`, but an `http.disconnect` reaches the app only once its answer is complete.
+
+    The contract says a client that hangs up does not stop the operation: the app finishes and
+    its answer is stored. Apps that stop at a disconnect (Starlette's `StreamingResponse` under
+    ASGI < 2.4 cancels its stream) would otherwise return with half an answer, the claim would
+    be released, and the retry would run the operation a second time.
+    """
+    sent = False
+    gone = False
+
+    async def replay() -> Message:
+        nonlocal sent, gone
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        if not gone:
+            message = await receive()
+            if message["type"] != "http.disconnect":
+                return message
+            gone = True
+        await capture.wait_finished()
+        return {"type": "http.disconnect"}
 
     return replay
 

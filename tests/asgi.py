@@ -7,7 +7,7 @@ so tests that care about those use `drive`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,11 +78,15 @@ async def drive(
     *,
     disconnect_after_first_chunk: bool = False,
     send_raises_after: int | None = None,
+    on_send: Callable[[Message], None] | None = None,
+    result: Result | None = None,
 ) -> Result:
     """Call `app` once. The body is delivered in the given chunks, then the channel waits;
     with `disconnect_after_first_chunk`, `http.disconnect` arrives once the app has sent one
-    body chunk; with `send_raises_after=n`, the n+1-th send raises OSError like a gone client."""
-    result = Result()
+    body chunk; with `send_raises_after=n`, the n+1-th send raises OSError like a gone client.
+    `on_send` sees each message the client received, as it arrives; pass your own `result` to
+    watch the messages arrive while the app still runs."""
+    result = Result() if result is None else result
     chunks = list(body)
     gone = asyncio.Event()
 
@@ -98,8 +102,23 @@ async def drive(
             gone.set()
             raise OSError("client disconnected")
         result.messages.append(dict(message))
+        if on_send is not None:
+            on_send(message)
         if disconnect_after_first_chunk and message["type"] == "http.response.body":
             gone.set()
 
     await app(scope, receive, send)
     return result
+
+
+async def read_body(receive: Callable[[], Any]) -> bytes:
+    """Read a request body the ASGI way: loop `receive()` until `more_body` is false."""
+    parts: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        parts.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return b"".join(parts)

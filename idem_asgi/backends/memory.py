@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 
+from ..errors import ConfigurationError
 from ..records import COMPLETED, IN_PROGRESS, Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
 
 
@@ -22,6 +23,9 @@ class MemoryBackend:
     """Records in a dict, bounded by TTL eviction and `max_entries`."""
 
     def __init__(self, *, max_entries: int = 100_000, clock: Callable[[], float] = time.time) -> None:
+        if max_entries < 1:
+            # With no room at all, eviction would loop over an empty dict (StopIteration in a coroutine).
+            raise ConfigurationError(f"max_entries must be at least 1, got {max_entries!r}")
         self.max_entries = max_entries
         self._clock = clock
         self._records: dict[str, Record] = {}

@@ -9,11 +9,22 @@ blocks) after its lease ends, until recovery or the TTL resolves it.
 
 Scripts are idempotent for their caller's token, so a retried command whose reply was lost
 cannot turn our own claim into a conflict.
+
+A claim whose reply never came back (timeout, reset, cancellation) may still have landed, or
+may land later (a stopped server runs the bytes in its socket buffer when it resumes). Its
+caller answered 503 and never ran the app, so the backend remembers such (key, token) pairs
+and deletes them in the background, fenced by the token, once Redis answers again. Without
+that, a client retrying after a 503 would meet its own ghost claim: 409 until the lease ends,
+then `outcome-unknown` until the TTL.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import random
+import time
 from types import TracebackType
 from typing import Any, Final
 
@@ -34,10 +45,12 @@ from ..records import (
 try:
     import redis.asyncio as aioredis
     from redis import exceptions as redis_errors
+    from redis.asyncio.retry import Retry
     from redis.backoff import ExponentialBackoff
-    from redis.retry import Retry
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("RedisBackend needs redis-py: pip install 'idem-asgi[redis]'") from exc
+
+logger = logging.getLogger("idem_asgi")
 
 _NOW: Final = """
 local t = redis.call('TIME')
@@ -97,6 +110,16 @@ redis.call('DEL', KEYS[1])
 return 1
 """
 
+# KEYS[1]; ARGV: token. Deletes a claim whose caller never learned it won (so never ran the app).
+# 1 deleted, 0 absent (not landed, or gone), -1 held by another token or completed.
+ABANDON: Final = """
+local cur = redis.call('HMGET', KEYS[1], 's', 't')
+if not cur[1] then return 0 end
+if cur[1] ~= 'p' or cur[2] ~= ARGV[1] then return -1 end
+redis.call('DEL', KEYS[1])
+return 1
+"""
+
 # KEYS[1]; ARGV: token, lease_ms
 EXTEND: Final = (
     _NOW
@@ -117,6 +140,22 @@ local cur = redis.call('HMGET', KEYS[1], 's', 'f', 't', 'l', 'e', 'r')
 if not cur[1] then return {0, now} end
 return {1, now, cur[1], cur[2], cur[3], cur[4], cur[5], cur[6]}
 """
+)
+
+
+_MAX_ORPHANS: Final = 10_000
+_ORPHAN_BATCH: Final = 100
+
+# Errors that mean "Redis did not answer (in time)": the command may or may not have run.
+_UNAVAILABLE: Final = (
+    redis_errors.ConnectionError,  # includes pool exhaustion (MaxConnectionsError) and LOADING
+    redis_errors.TimeoutError,
+    redis_errors.ClusterDownError,
+    redis_errors.TryAgainError,
+    redis_errors.SlotNotCoveredError,
+    redis_errors.ReadOnlyError,  # a replica answered: failover in progress
+    TimeoutError,
+    OSError,
 )
 
 
@@ -141,23 +180,51 @@ class RedisBackend:
 
     Args:
         client: A `redis.asyncio.Redis` or `RedisCluster` made with `decode_responses=False`.
-            It stays yours: `aclose()` closes only a client built by `from_url`.
+            It stays yours: `aclose()` closes only a client built by `from_url`. Its own
+            timeouts bound every call, so give it a `socket_timeout`.
         prefix: Prepended to every key, so several apps can share one Redis.
+        max_concurrency: At most this many store calls in flight; more wait (up to
+            `timeout`) instead of failing. `from_url` sets it for Redis Cluster, whose
+            per-node pools raise when full instead of waiting.
+        timeout: Longest wait for a `max_concurrency` slot, in seconds.
     """
 
-    def __init__(self, client: Any, *, prefix: str = "idem:", _owned: bool = False) -> None:
+    def __init__(
+        self,
+        client: Any,
+        *,
+        prefix: str = "idem:",
+        max_concurrency: int | None = None,
+        timeout: float = 2.0,
+        _owned: bool = False,
+    ) -> None:
         kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
         if kwargs.get("decode_responses") or (getattr(client, "get_encoder", None) and _decodes(client)):
             raise ConfigurationError("RedisBackend needs a client made with decode_responses=False")
+        if max_concurrency is not None and max_concurrency < 1:
+            raise ConfigurationError(f"max_concurrency must be at least 1, got {max_concurrency!r}")
         self.client = client
         self.prefix = prefix
+        self.timeout = timeout
         self._owned = _owned
+        self._slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        # redis-py's RedisCluster builds its slot map on first use and then recycles every
+        # connection; a burst arriving during that start-up sees "Connection closed by server".
+        # So the first call initialises the client alone, and the others wait for it.
+        self._starting = hasattr(client, "nodes_manager")
+        self._start_lock = asyncio.Lock()
+        # Registered once: each call is one EVALSHA; after a SCRIPT FLUSH or on a new node,
+        # redis-py reloads the script on NOSCRIPT and retries.
         self._claim = client.register_script(CLAIM)
         self._takeover = client.register_script(TAKEOVER)
         self._complete = client.register_script(COMPLETE)
         self._release = client.register_script(RELEASE)
+        self._abandon = client.register_script(ABANDON)
         self._extend = client.register_script(EXTEND)
         self._read = client.register_script(READ)
+        # (redis key, token) -> [give-up time (monotonic), seen absent once]
+        self._orphans: dict[tuple[str, int], list[Any]] = {}
+        self._sweeper: asyncio.Task[None] | None = None
 
     @classmethod
     def from_url(
@@ -170,28 +237,40 @@ class RedisBackend:
         cluster: bool = False,
         **client_options: Any,
     ) -> RedisBackend:
-        """Build a backend that owns its client.
+        """Build a backend that owns its client (`redis://`, `rediss://` or `unix://` URL).
 
-        The pool blocks up to `timeout` seconds for a free connection instead of failing a
-        burst (redis-py's default pool raises at 100); each command and each connect is
-        bounded by `timeout` too, so an outage answers 503 in bounded time.
+        Args:
+            url: Where Redis is; with `cluster=True`, any node of the cluster.
+            prefix: Prepended to every key.
+            max_connections: Pool size. A burst larger than the pool waits for a free
+                connection (up to `timeout`) instead of failing.
+            timeout: Seconds. Bounds the connect, each command's reply, and the wait for a
+                pooled connection. A stalled server fails a call after `timeout`, a down
+                server at once (one immediate retry on a fresh connection covers stale
+                pooled connections after a restart).
+            cluster: Use `redis.asyncio.RedisCluster` (keys hash by their `{digest}` tag).
+            client_options: Passed to redis-py (`ssl_ca_certs`, `username`, `password`, ...).
         """
         options: dict[str, Any] = {
             "socket_timeout": timeout,
             "socket_connect_timeout": timeout,
-            "retry": Retry(ExponentialBackoff(cap=0.05, base=0.01), retries=1),
+            # Retry once, at once, on a dropped connection (a restarted server leaves stale
+            # pooled sockets); never on a timeout, which would double the time to answer 503.
+            "retry": Retry(
+                ExponentialBackoff(cap=0.05, base=0.01), retries=1, supported_errors=(redis_errors.ConnectionError,)
+            ),
             "decode_responses": False,
             **client_options,
         }
         client: Any
         if cluster:
             client = aioredis.RedisCluster.from_url(url, max_connections=max_connections, **options)
-        else:
-            pool = aioredis.BlockingConnectionPool.from_url(
-                url, max_connections=max_connections, timeout=timeout, **options
-            )
-            client = aioredis.Redis(connection_pool=pool)
-        return cls(client, prefix=prefix, _owned=True)
+            return cls(client, prefix=prefix, max_concurrency=max_connections, timeout=timeout, _owned=True)
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=timeout, **options
+        )
+        client = aioredis.Redis.from_pool(pool)
+        return cls(client, prefix=prefix, timeout=timeout, _owned=True)
 
     async def __aenter__(self) -> RedisBackend:
         return self
@@ -204,17 +283,44 @@ class RedisBackend:
     def _key(self, key: RecordKey) -> str:
         return f"{self.prefix}{{{key.digest}}}"
 
-    async def _call(self, script: Any, key: RecordKey, *args: Any) -> Any:
+    async def _start(self) -> None:
+        async with self._start_lock:
+            if self._starting:
+                await self.client.initialize()
+                self._starting = False
+
+    async def _call(self, script: Any, name: str, *args: Any) -> Any:
+        slots = self._slots
         try:
-            return await script(keys=[self._key(key)], args=args)
-        except (redis_errors.ConnectionError, redis_errors.TimeoutError, TimeoutError, OSError) as exc:
-            raise BackendUnavailable(f"redis unavailable: {exc}") from exc
+            if self._starting:
+                await self._start()
+            if slots is None:
+                return await script(keys=[name], args=args)
+            if slots.locked():
+                try:
+                    await asyncio.wait_for(slots.acquire(), self.timeout)
+                except TimeoutError:
+                    raise BackendUnavailable(f"redis: no free connection within {self.timeout}s") from None
+            else:
+                await slots.acquire()
+            try:
+                return await script(keys=[name], args=args)
+            finally:
+                slots.release()
+        except _UNAVAILABLE as exc:
+            raise BackendUnavailable(f"redis unavailable: {type(exc).__name__}: {exc}") from exc
         except redis_errors.RedisError as exc:
-            raise BackendError(f"redis error: {exc}") from exc
+            raise BackendError(f"redis error: {type(exc).__name__}: {exc}") from exc
 
     async def claim(self, key: RecordKey, fingerprint: bytes, *, lease: float, ttl: float) -> ClaimResult:
         token = random.getrandbits(62) + 1
-        reply = await self._call(self._claim, key, fingerprint, token, _ms(lease), _ms(ttl))
+        name = self._key(key)
+        try:
+            reply = await self._call(self._claim, name, fingerprint, token, _ms(lease), _ms(ttl))
+        except BaseException:
+            # No answer, so the caller will not run the app; the claim may still land.
+            self._orphan(name, token, ttl)
+            raise
         if reply[0] == 1:
             return Claimed(token)
         return Existing(_record(reply), reply[1] / 1000)
@@ -222,32 +328,88 @@ class RedisBackend:
     async def takeover(
         self, key: RecordKey, stale_token: int, fingerprint: bytes, *, lease: float, ttl: float
     ) -> ClaimResult:
+        # A takeover whose reply is lost is *not* swept: it may carry a recovered answer
+        # (recover hook), and deleting it would let a retry run the operation again. It
+        # expires into outcome-unknown, and recovery is asked again.
         token = random.getrandbits(62) + 1
-        reply = await self._call(self._takeover, key, stale_token, fingerprint, token, _ms(lease), _ms(ttl))
+        reply = await self._call(self._takeover, self._key(key), stale_token, fingerprint, token, _ms(lease), _ms(ttl))
         if reply[0] == 1:
             return Claimed(token)
         return Existing(_record(reply), reply[1] / 1000)
 
     async def complete(self, key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
-        return bool(await self._call(self._complete, key, token, encode_response(response), _ms(ttl)))
+        return bool(await self._call(self._complete, self._key(key), token, encode_response(response), _ms(ttl)))
 
     async def release(self, key: RecordKey, token: int) -> bool:
-        return bool(await self._call(self._release, key, token))
+        return bool(await self._call(self._release, self._key(key), token))
 
     async def extend(self, key: RecordKey, token: int, *, lease: float) -> bool:
-        return bool(await self._call(self._extend, key, token, _ms(lease)))
+        return bool(await self._call(self._extend, self._key(key), token, _ms(lease)))
 
     async def get(self, key: RecordKey) -> Record | None:
-        reply = await self._call(self._read, key)
+        reply = await self._call(self._read, self._key(key))
         return _record(reply) if reply[0] == 1 else None
 
+    # -- claims whose reply was lost -------------------------------------------------------
+
+    @property
+    def pending_orphans(self) -> int:
+        """Claims whose reply was lost and that are not yet known to be gone from Redis."""
+        return len(self._orphans)
+
+    def _orphan(self, name: str, token: int, ttl: float) -> None:
+        if len(self._orphans) >= _MAX_ORPHANS:
+            logger.warning("idem_asgi: %d unanswered claims pending; not tracking more", len(self._orphans))
+            return
+        self._orphans[(name, token)] = [time.monotonic() + ttl, False]
+        if self._sweeper is None or self._sweeper.done():
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # pragma: no cover - claim always runs in a loop
+                return
+            self._sweeper = loop.create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        """Delete unanswered claims, fenced by their token, once Redis answers; bounded by each claim's TTL.
+
+        An absent record is confirmed once more after a pause before it is forgotten: by then
+        any earlier claim bytes a stalled server still held have run.
+        """
+        delay = 0.05
+        while self._orphans:
+            await asyncio.sleep(delay)
+            now = time.monotonic()
+            batch = [(entry, state) for entry, state in self._orphans.items() if state[0] > now][:_ORPHAN_BATCH]
+            for entry in [e for e, state in self._orphans.items() if state[0] <= now]:
+                del self._orphans[entry]
+            if not batch:
+                continue
+            replies = await asyncio.gather(
+                *(self._call(self._abandon, name, token) for (name, token), _ in batch), return_exceptions=True
+            )
+            failed = False
+            for (entry, state), reply in zip(batch, replies, strict=True):
+                if isinstance(reply, BaseException):
+                    failed = True
+                elif reply == 0 and not state[1]:
+                    state[1] = True  # absent: look once more next round
+                else:
+                    if reply == 1:
+                        logger.info("idem_asgi: removed an unanswered claim on %s", entry[0])
+                    self._orphans.pop(entry, None)
+            delay = min(delay * 2, 2.0) if failed else 0.5
+
     async def aclose(self) -> None:
-        """Close the client if `from_url` made it."""
+        """Stop the background sweep and close the client if `from_url` made it."""
+        sweeper, self._sweeper = self._sweeper, None
+        if sweeper is not None and not sweeper.done():
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
+        if self._orphans:
+            logger.warning("idem_asgi: closing with %d unanswered claims not yet removed", len(self._orphans))
         if self._owned:
             await self.client.aclose()
-            pool = getattr(self.client, "connection_pool", None)
-            if pool is not None:
-                await pool.disconnect()
 
 
 def _decodes(client: Any) -> bool:

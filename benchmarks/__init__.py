@@ -1,0 +1,1 @@
+"""Benchmarks for idem_asgi: overhead vs a bare app, and retry storms (see benchmarks/README.md)."""

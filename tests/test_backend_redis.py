@@ -1,0 +1,580 @@
+"""RedisBackend on real servers: script loading, key layout, bursts, unix sockets, ownership, outages.
+
+Backend-only tests use the shared Redis (unique key prefixes, never a global command). Anything
+that flushes scripts, pauses, stops or kills a server runs on a throwaway `redis-server` started
+here on a free port, killed (process group, SIGKILL) on teardown even when the test fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from idem_asgi import IdempotencyMiddleware, RoutePolicy, backend_from_url
+from idem_asgi._types import Message, Receive, Scope, Send
+from idem_asgi.backends.redis import RedisBackend
+from idem_asgi.errors import BackendUnavailable, ConfigurationError
+from idem_asgi.records import Claimed, Existing, RecordKey, StoredResponse, encode_response
+from tests.servers import IN_CI, REDIS_URL, free_port, require
+
+pytestmark = pytest.mark.redis
+
+DAY = 86_400.0
+RESPONSE = StoredResponse(201, [(b"content-type", b"application/json")], b'{"ok":true}')
+
+
+# -- throwaway servers ---------------------------------------------------------------------
+
+
+def need_redis_server() -> None:
+    """Skip (laptop) or fail (CI) when the redis-server binary is missing."""
+    if shutil.which("redis-server") is None:
+        if IN_CI:
+            pytest.fail("redis-server not on PATH (CI=true: a missing tool fails the run)")
+        pytest.skip("redis-server not on PATH")
+
+
+def ping(*, port: int | None = None, path: str | None = None, timeout: float = 0.2) -> bool:
+    """True when a server answers PING on the TCP port or unix socket."""
+    try:
+        if path is not None:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(timeout)
+                s.connect(path)
+                s.sendall(b"PING\r\n")
+                return s.recv(64).startswith(b"+PONG")
+        with socket.create_connection(("127.0.0.1", port or 0), timeout=timeout) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+async def wait_until(condition: Callable[[], bool], within: float) -> None:
+    """Poll `condition` every 50 ms for at most `within` seconds."""
+    deadline = time.monotonic() + within
+    while not condition() and time.monotonic() < deadline:  # noqa: ASYNC110 - bounded poll of plain state
+        await asyncio.sleep(0.05)
+
+
+class RedisProcess:
+    """One `redis-server` in its own process group, on a fixed port (so it restarts where it was)."""
+
+    def __init__(self, workdir: Path, *, port: int | None = None, args: Sequence[str] = ()) -> None:
+        self.workdir = workdir
+        self.port = port if port is not None else free_port()
+        self.args = list(args)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.unixsocket: str | None = None
+        if "--unixsocket" in self.args:
+            self.unixsocket = self.args[self.args.index("--unixsocket") + 1]
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            "redis-server",
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--enable-debug-command",
+            "local",
+            "--daemonize",
+            "no",
+            "--dir",
+            str(self.workdir),
+            *self.args,
+        ]
+        with (self.workdir / "server.log").open("ab") as log:
+            self.proc = subprocess.Popen(
+                cmd, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {self.log_tail()}")
+            if ping(port=None if self.port == 0 else self.port, path=self.unixsocket if self.port == 0 else None):
+                return
+            time.sleep(0.02)
+        self.kill()
+        raise RuntimeError(f"redis-server did not answer PING within {timeout}s: {self.log_tail()}")
+
+    def log_tail(self) -> str:
+        try:
+            return (self.workdir / "server.log").read_text(errors="replace")[-2000:]
+        except OSError:
+            return ""
+
+    def signal(self, sig: signal.Signals) -> None:
+        assert self.proc is not None and self.proc.poll() is None
+        os.killpg(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (also if it is stopped), and reap it."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def redis_process(workdir: Path, *, port: int | None = None, args: Sequence[str] = ()) -> Iterator[RedisProcess]:
+    """A started throwaway server, killed on exit whatever happened."""
+    need_redis_server()
+    server = RedisProcess(workdir, port=port, args=args)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def throwaway(tmp_path: Path) -> Iterator[RedisProcess]:
+    """A private redis-server (no persistence) on a free port."""
+    with redis_process(tmp_path / "redis") as server:
+        yield server
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"idem-test:{uuid.uuid4().hex}:"
+
+
+@pytest.fixture
+async def shared(prefix: str) -> AsyncIterator[RedisBackend]:
+    """A backend on the shared Redis under a key prefix no other test uses."""
+    require("redis", REDIS_URL)
+    backend = RedisBackend.from_url(REDIS_URL, prefix=prefix)
+    try:
+        yield backend
+    finally:
+        await backend.aclose()
+
+
+def rk(key: str = "key-1", scope: str | None = None) -> RecordKey:
+    return RecordKey.build("redis-tests", scope, key)
+
+
+async def commandstats(client: Any) -> dict[str, int]:
+    """Calls per command from INFO commandstats (`evalsha`, `script|load`, ...)."""
+    info = await client.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(stats["calls"]) for name, stats in info.items()}
+
+
+# -- scripts ---------------------------------------------------------------------------------
+
+
+async def test_scripts_are_registered_once_and_survive_script_flush(throwaway: RedisProcess) -> None:
+    async with RedisBackend.from_url(throwaway.url, prefix="idem:") as backend:
+        script = backend._claim
+        first = await backend.claim(rk("a"), b"fp", lease=30, ttl=DAY)
+        assert isinstance(first, Claimed)
+        before = await commandstats(backend.client)
+        for i in range(20):
+            assert isinstance(await backend.claim(rk(f"b{i}"), b"fp", lease=30, ttl=DAY), Claimed)
+        after = await commandstats(backend.client)
+        assert after["evalsha"] - before["evalsha"] == 20
+        assert after.get("script|load", 0) == before.get("script|load", 0)
+        assert after.get("eval", 0) == before.get("eval", 0)
+
+        await backend.client.script_flush()
+        again = await backend.claim(rk("c"), b"fp", lease=30, ttl=DAY)
+        assert isinstance(again, Claimed)
+        assert await backend.complete(rk("c"), again.token, RESPONSE, ttl=DAY)
+        replay = await backend.claim(rk("c"), b"fp", lease=30, ttl=DAY)
+        assert isinstance(replay, Existing) and replay.record.response == RESPONSE
+        flushed = await commandstats(backend.client)
+        # NOSCRIPT once per script used after the flush (claim, complete), then EVALSHA again.
+        assert flushed["script|load"] - after.get("script|load", 0) == 2
+        assert backend._claim is script
+        for i in range(10):
+            await backend.claim(rk(f"d{i}"), b"fp", lease=30, ttl=DAY)
+        final = await commandstats(backend.client)
+        assert final["script|load"] == flushed["script|load"]
+        assert final["evalsha"] - flushed["evalsha"] == 10
+
+
+async def test_decode_responses_client_is_refused() -> None:
+    client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
+    try:
+        with pytest.raises(ConfigurationError, match="decode_responses"):
+            RedisBackend(client)
+    finally:
+        await client.aclose()
+    with pytest.raises(ConfigurationError, match="decode_responses"):
+        RedisBackend.from_url(REDIS_URL, decode_responses=True)
+
+
+async def test_key_is_prefix_and_sha256_and_never_client_characters(shared: RedisBackend, prefix: str) -> None:
+    hostile = ["{tag}", "*", "a:b", "[x]", "?", "key with\\backslash", "}{", "x" * 255]
+    expected = set()
+    for key in hostile:
+        record_key = RecordKey.build("redis-tests", "tenant{1}", key)
+        claimed = await shared.claim(record_key, b"fp", lease=30, ttl=60)
+        assert isinstance(claimed, Claimed), key
+        expected.add(f"{prefix}{{{record_key.digest}}}")
+    found = {k.decode() async for k in shared.client.scan_iter(match=f"{prefix}*", count=1000)}
+    assert found == expected
+    pattern = re.compile(re.escape(prefix) + r"\{[0-9a-f]{64}\}")
+    for name in found:
+        assert pattern.fullmatch(name), name
+        tail = name[len(prefix) :]
+        assert all(key not in tail for key in hostile if key not in ("x" * 255,)), name
+    assert len(found) == len(hostile)
+
+
+async def test_retried_claim_with_the_same_token_is_claimed_not_a_conflict(shared: RedisBackend) -> None:
+    """A claim whose reply was lost and that the driver sends again must find its own claim."""
+    name = shared._key(rk())
+    token = 123_456_789
+    args = (b"fp", token, 30_000, 60_000)
+    first = await shared.client.evalsha(shared._claim.sha, 1, name, *args)
+    second = await shared.client.evalsha(shared._claim.sha, 1, name, *args)
+    assert first[0] == 1 and second[0] == 1
+    other = await shared.claim(rk(), b"fp", lease=30, ttl=60)
+    assert isinstance(other, Existing) and other.record.token == token
+    # The same holds for a retried completion: still 1, and the record is the first answer.
+    blob_args = (token, encode_response(RESPONSE), 60_000)
+    assert await shared.client.evalsha(shared._complete.sha, 1, name, *blob_args) == 1
+    assert await shared.client.evalsha(shared._complete.sha, 1, name, *blob_args) == 1
+    replay = await shared.claim(rk(), b"fp", lease=30, ttl=60)
+    assert isinstance(replay, Existing) and replay.record.response == RESPONSE
+
+
+async def test_from_url_waits_for_the_pool_in_a_burst_of_1000(prefix: str) -> None:
+    require("redis", REDIS_URL)
+    async with RedisBackend.from_url(REDIS_URL, prefix=prefix, max_connections=20) as backend:
+        results = await asyncio.gather(*[backend.claim(rk(), b"fp", lease=30, ttl=60) for _ in range(1000)])
+        pool = backend.client.connection_pool
+        assert len(pool._in_use_connections) + len(pool._available_connections) <= 20
+    winners = [r for r in results if isinstance(r, Claimed)]
+    assert len(winners) == 1
+    assert all(isinstance(r, Existing) and r.record.token == winners[0].token for r in results if r is not winners[0])
+
+
+async def test_unix_socket_url(tmp_path: Path) -> None:
+    path = str(tmp_path / "redis.sock")
+    with redis_process(tmp_path / "redis", port=0, args=["--unixsocket", path, "--unixsocketperm", "700"]):
+        for backend in (RedisBackend.from_url(f"unix://{path}"), backend_from_url(f"unix://{path}?db=0")):
+            async with backend:  # type: ignore[attr-defined]
+                claimed = await backend.claim(rk(), b"fp", lease=30, ttl=60)
+                if isinstance(claimed, Claimed):
+                    assert await backend.complete(rk(), claimed.token, RESPONSE, ttl=60)
+                replay = await backend.claim(rk(), b"fp", lease=30, ttl=60)
+                assert isinstance(replay, Existing) and replay.record.response == RESPONSE
+
+
+async def test_aclose_leaves_a_given_client_usable(prefix: str) -> None:
+    require("redis", REDIS_URL)
+    client = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        async with RedisBackend(client, prefix=prefix) as backend:
+            assert isinstance(await backend.claim(rk(), b"fp", lease=30, ttl=60), Claimed)
+        assert await client.ping() is True
+        again = RedisBackend(client, prefix=prefix)
+        assert isinstance(await again.claim(rk(), b"fp", lease=30, ttl=60), Existing)
+        await again.aclose()
+        assert await client.ping() is True
+    finally:
+        await client.aclose()
+
+
+async def test_aclose_closes_what_from_url_created(prefix: str) -> None:
+    require("redis", REDIS_URL)
+    backend = RedisBackend.from_url(REDIS_URL, prefix=prefix)
+    assert isinstance(await backend.claim(rk(), b"fp", lease=30, ttl=60), Claimed)
+    pool = backend.client.connection_pool
+    await backend.aclose()
+    assert all(not c.is_connected for c in pool._available_connections)
+    assert not pool._in_use_connections
+
+
+# -- outages, through the middleware ---------------------------------------------------------
+
+TIMEOUT = 0.5  # the backend's timeout in outage tests; 503 must come within 2x this
+
+
+class Payments:
+    """A raw ASGI app that counts executions per idempotency key and answers 201 with a fresh uuid."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+        self.runs: Counter[str] = Counter()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        while (await receive()).get("more_body", False):
+            pass
+        key = dict(scope["headers"])[b"idempotency-key"].decode()
+        self.runs[key] += 1
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        body = json.dumps({"key": key, "id": uuid.uuid4().hex}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 201, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+class Answer:
+    def __init__(self, status: int, headers: dict[bytes, bytes], body: bytes, elapsed: float) -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
+        self.elapsed = elapsed
+
+    @property
+    def replayed(self) -> bool:
+        return self.headers.get(b"idempotent-replayed") == b"true"
+
+    @property
+    def problem(self) -> str | None:
+        if self.headers.get(b"content-type") != b"application/problem+json":
+            return None
+        return str(json.loads(self.body)["type"]).rsplit(":", 1)[-1]
+
+
+async def post(app: Any, key: str, body: bytes = b'{"amount": 10}') -> Answer:
+    """One POST /pay through the ASGI app; never hangs longer than 10 s."""
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/pay",
+        "raw_path": b"/pay",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"idempotency-key", key.encode()), (b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1234),
+        "server": ("127.0.0.1", 80),
+    }
+    sent: list[Message] = []
+    delivered = False
+    never = asyncio.Event()
+
+    async def receive() -> Message:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await never.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    started = time.monotonic()
+    await asyncio.wait_for(app(scope, receive, send), 10)
+    elapsed = time.monotonic() - started
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body_out = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return Answer(start["status"], {bytes(k): bytes(v) for k, v in start["headers"]}, body_out, elapsed)
+
+
+def protect(app: Payments, backend: RedisBackend, *, lease: float = 30) -> IdempotencyMiddleware:
+    return IdempotencyMiddleware(
+        app,
+        backend=backend,
+        routes=[RoutePolicy("/pay", methods=["POST"], required=True, single_tenant=True, lease=lease)],
+    )
+
+
+def keys(n: int) -> list[str]:
+    run = uuid.uuid4().hex[:8]
+    return [f"{run}-{i}" for i in range(n)]
+
+
+def assert_unavailable(answer: Answer) -> None:
+    assert answer.status == 503, (answer.status, answer.body)
+    assert answer.problem == "store-unavailable"
+    assert answer.headers.get(b"retry-after") is not None
+    assert answer.headers.get(b"cache-control") == b"no-store"
+    assert answer.elapsed < 2 * TIMEOUT, answer.elapsed
+
+
+async def settle(mw: IdempotencyMiddleware, key: str, *, within: float = 8.0) -> Answer:
+    """Retry `key` like a client would after a 503/409 until it gets a 2xx (bounded)."""
+    deadline = time.monotonic() + within
+    while True:
+        answer = await post(mw, key)
+        if answer.status < 300 or time.monotonic() > deadline:
+            return answer
+        assert answer.status in (409, 503), (answer.status, answer.body)
+        assert answer.problem != "outcome-unknown", "a request that got 503 must stay retryable"
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.slow
+async def test_killed_server_answers_503_in_bounded_time_then_recovers(throwaway: RedisProcess) -> None:
+    app = Payments()
+    async with RedisBackend.from_url(throwaway.url, timeout=TIMEOUT) as backend:
+        mw = protect(app, backend)
+        warm = keys(10)
+        assert [a.status for a in await asyncio.gather(*(post(mw, k) for k in warm))] == [201] * 10
+
+        throwaway.kill()
+        down = keys(20)
+        answers = await asyncio.gather(*(post(mw, k) for k in down + warm[:5]))
+        for answer in answers:
+            assert_unavailable(answer)
+        assert not any(app.runs[k] for k in down)
+
+        throwaway.start()
+        fresh = keys(10)
+        assert [a.status for a in await asyncio.gather(*(post(mw, k) for k in fresh))] == [201] * 10
+        # The keys refused while the store was down were never run, so a retry runs them now, once.
+        retried = await asyncio.gather(*(settle(mw, k) for k in down))
+        assert [a.status for a in retried] == [201] * len(down)
+        assert all(app.runs[k] == 1 for k in down + fresh + warm)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["client-pause-write", "sigstop"])
+async def test_stalled_server_answers_503_in_bounded_time_then_recovers(throwaway: RedisProcess, how: str) -> None:
+    app = Payments()
+    async with RedisBackend.from_url(throwaway.url, timeout=TIMEOUT) as backend:
+        mw = protect(app, backend)
+        assert (await post(mw, "warm-" + uuid.uuid4().hex)).status == 201
+        stalled = keys(10)
+        admin = aioredis.Redis(port=throwaway.port)
+        try:
+            if how == "sigstop":
+                throwaway.signal(signal.SIGSTOP)
+            else:
+                await admin.execute_command("CLIENT", "PAUSE", 2500, "WRITE")
+            try:
+                answers = await asyncio.gather(*(post(mw, k) for k in stalled))
+                for answer in answers:
+                    assert_unavailable(answer)
+                assert not any(app.runs[k] for k in stalled)
+            finally:
+                if how == "sigstop":
+                    throwaway.signal(signal.SIGCONT)
+                else:
+                    await admin.execute_command("CLIENT", "UNPAUSE")
+        finally:
+            await admin.aclose()
+        retried = await asyncio.gather(*(settle(mw, k) for k in stalled))
+        assert [a.status for a in retried] == [201] * len(stalled)
+        assert all(app.runs[k] == 1 for k in stalled)
+        await wait_until(lambda: backend.pending_orphans == 0, 5)
+        assert backend.pending_orphans == 0
+
+
+@pytest.mark.slow
+async def test_storm_across_kill_and_restart_never_500s_nor_runs_twice(tmp_path: Path) -> None:
+    """50 keys x 5 duplicates in flight while a durable Redis (appendfsync always) is killed and restarted."""
+    app = Payments(delay=0.02)
+    durable = ["--appendonly", "yes", "--appendfsync", "always"]
+    with redis_process(tmp_path / "redis", args=durable) as server:
+        async with RedisBackend.from_url(server.url, timeout=TIMEOUT) as backend:
+            mw = protect(app, backend)
+            storm = keys(50)
+
+            async def one(key: str, delay: float) -> Answer:
+                await asyncio.sleep(delay)
+                return await post(mw, key)
+
+            async def outage() -> None:
+                await asyncio.sleep(0.25)
+                server.kill()
+                await asyncio.sleep(0.3)
+                await asyncio.to_thread(server.start)
+
+            # Each key's 5 duplicates start together at a random moment of a 0.8 s window.
+            starts = {k: (i % 40) * 0.02 for i, k in enumerate(storm)}
+            tasks = [one(k, starts[k]) for k in storm for _ in range(5)]
+            *answers, _ = await asyncio.gather(*tasks, outage())
+            statuses = Counter(a.status for a in answers)
+            assert set(statuses) <= {201, 409, 503}, statuses
+            assert statuses[503] > 0 and statuses[201] > 0, statuses  # the outage really hit the storm
+            assert max(app.runs.values()) == 1, app.runs
+            by_key: dict[str, list[Answer]] = {}
+            for key, answer in zip([k for k in storm for _ in range(5)], answers, strict=True):
+                by_key.setdefault(key, []).append(answer)
+            for key, group in by_key.items():
+                bodies = {a.body for a in group if a.status == 201}
+                assert len(bodies) <= 1, key  # every 2xx of one key is the same answer
+                for answer in group:
+                    if answer.status == 409:
+                        assert answer.problem == "request-in-progress"
+
+            # Afterwards: a key that never ran runs now, once. A key that ran replays, or, when its
+            # completion was lost in the outage, stays in progress (409) until its lease ends; it
+            # never runs again.
+            ran = {k for k in storm if app.runs[k]}
+            for key in storm:
+                if key in ran:
+                    answer = await post(mw, key)
+                    assert answer.replayed or answer.problem == "request-in-progress", (answer.status, answer.body)
+                else:
+                    assert (await settle(mw, key)).status == 201
+            assert all(app.runs[k] == 1 for k in storm), app.runs
+
+
+@pytest.mark.slow
+async def test_restart_without_persistence_forgets_completed_keys(throwaway: RedisProcess) -> None:
+    """The documented limit: a Redis that loses its data (no AOF, failover) lets a completed key run again."""
+    app = Payments()
+    async with RedisBackend.from_url(throwaway.url, timeout=TIMEOUT) as backend:
+        mw = protect(app, backend)
+        key = keys(1)[0]
+        assert (await post(mw, key)).status == 201
+        assert (await post(mw, key)).replayed
+        throwaway.kill()
+        throwaway.start()
+        again = await post(mw, key)
+        assert again.status == 201 and not again.replayed
+        assert app.runs[key] == 2
+
+
+@pytest.mark.slow
+async def test_unanswered_claim_that_lands_late_is_removed(throwaway: RedisProcess) -> None:
+    """SIGSTOP: the claim sits in the server's socket buffer and runs on SIGCONT, after its caller
+    answered 503. The backend removes it (fenced by its token), so the client's retry runs."""
+    async with RedisBackend.from_url(throwaway.url, timeout=TIMEOUT) as backend:
+        probe = aioredis.Redis(port=throwaway.port)
+        try:
+            assert isinstance(await backend.claim(rk("warm"), b"fp", lease=30, ttl=60), Claimed)
+            throwaway.signal(signal.SIGSTOP)
+            try:
+                with pytest.raises(BackendUnavailable):
+                    await backend.claim(rk("late"), b"fp", lease=30, ttl=60)
+                assert backend.pending_orphans == 1
+            finally:
+                throwaway.signal(signal.SIGCONT)
+            await wait_until(lambda: backend.pending_orphans == 0, 8)
+            assert backend.pending_orphans == 0
+            assert await probe.exists(backend._key(rk("late"))) == 0
+            assert isinstance(await backend.claim(rk("late"), b"fp", lease=30, ttl=60), Claimed)
+        finally:
+            await probe.aclose()
