@@ -20,7 +20,7 @@ from ._types import ASGIApp, Message, Receive, Scope, Send
 from .backends import Backend, backend_from_url
 from .backends.memory import MemoryBackend
 from .context import STATE_KEY, IdempotencyInfo, _current
-from .errors import ConfigurationError
+from .errors import BackendError, ConfigurationError
 from .keys import MalformedKey, ScopeFunc, parse_key
 from .policy import RecoverHook, RoutePolicy, compile_path, seconds
 from .records import Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
@@ -226,8 +226,8 @@ class IdempotencyMiddleware:
         rkey = RecordKey.build(self.namespace, owner, key)
         try:
             result = await self.backend.claim(rkey, fingerprint, lease=route.lease, ttl=route.ttl)
-        except Exception:
-            logger.exception("idem_asgi: claim failed for %s", route.policy.path)
+        except Exception as exc:
+            _store_failed("claim failed", exc)
             if self.fail_open:
                 await self.app(scope, _replaying(body, receive), send)
             else:
@@ -290,8 +290,8 @@ class IdempotencyMiddleware:
                 delay = min(delay * 2, 0.25)
                 try:
                     result = await self.backend.claim(rkey, fingerprint, lease=route.lease, ttl=route.ttl)
-                except Exception:
-                    logger.exception("idem_asgi: claim failed while waiting")
+                except Exception as exc:
+                    _store_failed("claim failed while waiting", exc)
                     break
         return result
 
@@ -330,8 +330,8 @@ class IdempotencyMiddleware:
                 await self.backend.complete(rkey, taken.token, outcome, ttl=route.ttl)
                 await self._replay(send, outcome)
                 return
-        except Exception:
-            logger.exception("idem_asgi: takeover failed")
+        except Exception as exc:
+            _store_failed("takeover failed", exc)
             await self._unavailable(route, send)
             return
         if isinstance(taken, Existing) and decide(taken, fingerprint) is Action.EXPIRED:
@@ -419,6 +419,14 @@ class IdempotencyMiddleware:
             "The idempotency store cannot be reached, so the request was not run; retry later.",
             retry_after=route.retry_after,
         )
+
+
+def _store_failed(what: str, exc: Exception) -> None:
+    """Log a store failure: one line for an outage (no stack trace flood), a traceback for anything else."""
+    if isinstance(exc, BackendError):
+        logger.warning("idem_asgi: %s: %s", what, exc)
+    else:
+        logger.error("idem_asgi: %s", what, exc_info=exc)
 
 
 def _replaying(body: bytes, receive: Receive) -> Receive:

@@ -9,7 +9,7 @@ import pytest
 
 from idem_asgi._decide import Action, decide
 from idem_asgi.backends import MemoryBackend
-from idem_asgi.errors import ConfigurationError
+from idem_asgi.errors import BackendUnavailable, ConfigurationError
 from idem_asgi.records import COMPLETED, Claimed, Existing, RecordKey, StoredResponse
 
 RESPONSE = StoredResponse(201, [(b"content-type", b"text/plain")], b"ok")
@@ -34,16 +34,31 @@ async def test_max_entries_bound_holds_under_a_flood_of_keys() -> None:
     for i in range(5_000):
         result = await backend.claim(k(i), b"fp", lease=30, ttl=3_600)
         assert isinstance(result, Claimed)
+        assert await backend.complete(k(i), result.token, RESPONSE, ttl=3_600)
         assert len(backend) <= 100
     # The expiry index stays bounded too, not just the dict.
     assert len(backend._expiry) <= 2 * 100 + 1024 + 1
 
 
-async def test_max_entries_evicts_the_oldest_first() -> None:
+async def test_max_entries_evicts_the_oldest_completed_answer_first() -> None:
     backend = MemoryBackend(max_entries=10)
+    running = await backend.claim(k("running"), b"fp", lease=30, ttl=3_600)
     for i in range(25):
-        await backend.claim(k(i), b"fp", lease=30, ttl=3_600)
-    assert [await backend.get(k(i)) is not None for i in range(25)] == [False] * 15 + [True] * 10
+        claimed = await backend.claim(k(i), b"fp", lease=30, ttl=3_600)
+        assert isinstance(claimed, Claimed)
+        await backend.complete(k(i), claimed.token, RESPONSE, ttl=3_600)
+    assert [await backend.get(k(i)) is not None for i in range(25)] == [False] * 16 + [True] * 9
+    kept = await backend.get(k("running"))
+    assert isinstance(running, Claimed) and kept is not None and kept.token == running.token
+
+
+async def test_a_store_full_of_running_operations_refuses_new_claims() -> None:
+    backend = MemoryBackend(max_entries=10)
+    for i in range(10):
+        assert isinstance(await backend.claim(k(i), b"fp", lease=30, ttl=3_600), Claimed)
+    with pytest.raises(BackendUnavailable):
+        await backend.claim(k("one-too-many"), b"fp", lease=30, ttl=3_600)
+    assert all([await backend.get(k(i)) is not None for i in range(10)])
 
 
 @pytest.mark.parametrize("max_entries", [0, -1])

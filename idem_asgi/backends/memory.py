@@ -1,8 +1,9 @@
 """In-process store: the embedded default, for development, tests and single-process apps.
 
 Each operation runs without an await, so it is atomic under asyncio; a threading lock keeps it
-safe when several event loops share one instance. Records are evicted at their expiry and the
-oldest first once `max_entries` is reached. Records are per process: two workers never see each
+safe when several event loops share one instance. Records are evicted at their expiry, and the
+oldest completed answer goes first once `max_entries` is reached (in-progress records are never
+evicted; a store full of them answers 503). Records are per process: two workers never see each
 other's keys, so use Redis or Postgres as soon as you run more than one process.
 """
 
@@ -15,7 +16,7 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 
-from ..errors import ConfigurationError
+from ..errors import BackendUnavailable, ConfigurationError
 from ..records import COMPLETED, IN_PROGRESS, Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
 
 
@@ -63,8 +64,13 @@ class MemoryBackend:
             rec = records.get(digest)
             if rec is not None and rec.expires_at <= now:
                 del records[digest]
-        while len(records) >= self.max_entries:
-            del records[next(iter(records))]
+        if len(records) >= self.max_entries:
+            # Forget the oldest *completed* answer; a running operation is never forgotten, since
+            # its duplicate would then run a second time. Full of running operations: refuse (503).
+            victim = next((d for d, r in records.items() if r.state == COMPLETED), None)
+            if victim is None:
+                raise BackendUnavailable(f"memory store full: {len(records)} operations in progress")
+            del records[victim]
         if len(heap) > 2 * len(records) + 1024:
             self._expiry = [(r.expires_at, d) for d, r in records.items()]
             heapq.heapify(self._expiry)
