@@ -2,6 +2,7 @@
 
 from .backends import Backend, backend_from_url
 from .context import IdempotencyInfo, current_idempotency
+from .derived import event_id, intent_key
 from .errors import BackendError, BackendUnavailable, ConfigurationError, IdemError
 from .fingerprint import JsonIgnoring, RawBody, custom
 from .keys import scope_from_header, scope_from_state, scope_from_token_hash
@@ -28,6 +29,8 @@ __all__ = [
     "backend_from_url",
     "current_idempotency",
     "custom",
+    "event_id",
+    "intent_key",
     "scope_from_header",
     "scope_from_state",
     "scope_from_token_hash",

@@ -21,6 +21,7 @@ from .backends import Backend, backend_from_url
 from .backends.memory import MemoryBackend
 from .context import STATE_KEY, IdempotencyInfo, _current
 from .errors import BackendError, ConfigurationError
+from .fingerprint import RawBody
 from .keys import MalformedKey, ScopeFunc, parse_key
 from .policy import RecoverHook, RoutePolicy, compile_path, seconds
 from .records import Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
@@ -38,6 +39,7 @@ class _Route:
         "excluded",
         "fingerprint",
         "header",
+        "key_source",
         "lease",
         "max_body",
         "max_stored_body",
@@ -72,7 +74,8 @@ class _Route:
         self.max_body = policy.max_body
         self.max_stored_body = policy.max_stored_body
         self.release_statuses = policy.release_statuses
-        self.fingerprint = policy.fingerprint
+        self.key_source = policy.key
+        self.fingerprint = policy.fingerprint or getattr(policy.key, "fingerprint", None) or RawBody()
         self.scope = policy.scope or scope
         self.recover = policy.recover or recover
         self.on_expired = policy.on_expired
@@ -180,23 +183,25 @@ class IdempotencyMiddleware:
                 count += 1
             elif k == b"content-length":
                 declared = v
-        if raw is None:
+        key: str | None = None
+        if count > 1:
+            await problems.send_problem(
+                send, problems.KEY_MALFORMED, f"Send exactly one {route.header.decode()} header, not {count}."
+            )
+            return
+        if raw is not None:
+            try:
+                key = parse_key(raw)
+            except MalformedKey as exc:
+                await problems.send_problem(send, problems.KEY_MALFORMED, str(exc)[:1].upper() + str(exc)[1:] + ".")
+                return
+        elif route.key_source is None:
             if route.required:
                 await problems.send_problem(
                     send, problems.KEY_REQUIRED, f"This operation requires an {route.header.decode()} header."
                 )
             else:
                 await self.app(scope, receive, send)
-            return
-        if count > 1:
-            await problems.send_problem(
-                send, problems.KEY_MALFORMED, f"Send exactly one {route.header.decode()} header, not {count}."
-            )
-            return
-        try:
-            key = parse_key(raw)
-        except MalformedKey as exc:
-            await problems.send_problem(send, problems.KEY_MALFORMED, str(exc)[:1].upper() + str(exc)[1:] + ".")
             return
         if declared is not None and declared.isdigit() and int(declared) > route.max_body:
             await self._too_large(route, send)
@@ -221,7 +226,18 @@ class IdempotencyMiddleware:
                 break
         fingerprint = hasher.digest()
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        if route.key_source is not None:
+            key = route.key_source(scope, body, key)
+            if key is None:
+                if route.required:
+                    await problems.send_problem(
+                        send, problems.KEY_REQUIRED, "This operation needs the fields its idempotency key is made of."
+                    )
+                else:
+                    await self.app(scope, _replaying(body, receive), send)
+                return
 
+        assert key is not None  # a header key, or a derived one (both checked above)
         owner = route.scope(scope) if route.scope is not None else None
         rkey = RecordKey.build(self.namespace, owner, key)
         try:

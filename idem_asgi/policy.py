@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Awaitable, Callable, Container, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Literal
 
 from .errors import ConfigurationError
-from .fingerprint import FingerprintRule, RawBody
+from .fingerprint import FingerprintRule
 
 if TYPE_CHECKING:
+    from .derived import KeySource
     from .keys import ScopeFunc
     from .records import Record, RecordKey, StoredResponse
 
@@ -79,8 +80,13 @@ class RoutePolicy:
     release_statuses: Container[int] = range(500, 600)
     """Statuses that release the claim instead of storing it, so a retry runs again."""
 
-    fingerprint: FingerprintRule = field(default_factory=RawBody)
-    """What makes two requests the same operation: `RawBody()`, `JsonIgnoring("ts")` or `custom(fn)`."""
+    fingerprint: FingerprintRule | None = None
+    """What makes two requests the same operation: `RawBody()` (the default), `JsonIgnoring("ts")` or
+    `custom(fn)`. With a derived `key`, the key's own rule is the default."""
+
+    key: KeySource | None = None
+    """Derive the key from the request instead of the header: `intent_key(...)`, `event_id(...)`, or any
+    `fn(scope, body, header_key) -> str | None` (None: no key; 400 when `required`)."""
 
     scope: ScopeFunc | None = None
     """Who the key belongs to (tenant, user, API key id); overrides the middleware's scope callable."""

@@ -13,7 +13,6 @@ from idem_asgi import IdempotencyMiddleware, RoutePolicy, current_idempotency
 from idem_asgi._types import Receive, Scope, Send
 from idem_asgi.backends import MemoryBackend
 from idem_asgi.errors import ConfigurationError
-from idem_asgi.fingerprint import RawBody
 from idem_asgi.keys import scope_from_header
 from idem_asgi.policy import compile_path, seconds
 from tests.asgi import drive, http_scope
@@ -26,7 +25,7 @@ def test_defaults_match_the_contract() -> None:
     assert p.required is False
     assert p.on_expired == "block"
     assert p.wait is None
-    assert isinstance(p.fingerprint, RawBody)
+    assert p.fingerprint is None and p.key is None  # None: RawBody() over method, path, query and body
     assert 500 in p.release_statuses and 599 in p.release_statuses and 499 not in p.release_statuses
     assert {"set-cookie", "www-authenticate", "proxy-authenticate", "authorization", "connection"} <= set(
         p.excluded_headers
