@@ -39,6 +39,7 @@ class _Route:
         "excluded",
         "fingerprint",
         "header",
+        "header_name",
         "key_source",
         "lease",
         "max_body",
@@ -64,7 +65,8 @@ class _Route:
         self.methods = frozenset(m.upper() for m in methods)
         if not self.methods:
             raise ConfigurationError(f"route {policy.path!r} protects no method")
-        self.header = (policy.header or header).lower().encode("latin-1")
+        self.header_name = policy.header or header
+        self.header = self.header_name.lower().encode("latin-1")
         self.ttl = seconds(policy.ttl)
         self.lease = seconds(policy.lease)
         if self.lease > self.ttl:
@@ -186,7 +188,7 @@ class IdempotencyMiddleware:
         key: str | None = None
         if count > 1:
             await problems.send_problem(
-                send, problems.KEY_MALFORMED, f"Send exactly one {route.header.decode()} header, not {count}."
+                send, problems.KEY_MALFORMED, f"Send exactly one {route.header_name} header, not {count}."
             )
             return
         if raw is not None:
@@ -198,7 +200,7 @@ class IdempotencyMiddleware:
         elif route.key_source is None:
             if route.required:
                 await problems.send_problem(
-                    send, problems.KEY_REQUIRED, f"This operation requires an {route.header.decode()} header."
+                    send, problems.KEY_REQUIRED, f"This operation requires an {route.header_name} header."
                 )
             else:
                 await self.app(scope, receive, send)

@@ -82,7 +82,7 @@ def _document(operation: dict[str, Any], policy: RoutePolicy, header: str) -> No
             "name": header,
             "in": "header",
             "required": policy.required,
-            "description": "One key per user intent, reused by every retry; 1-255 visible ASCII characters.",
+            "description": "Idempotency key: every retry of one operation carries the same value; 1-255 visible ASCII.",
             "schema": {"type": "string", "minLength": 1, "maxLength": 255},
         }
     )

@@ -56,7 +56,7 @@ def test_protected_operations_get_the_header_and_problem_answers() -> None:
         "name": "Idempotency-Key",
         "in": "header",
         "required": True,
-        "description": "One key per user intent, reused by every retry; 1-255 visible ASCII characters.",
+        "description": "Idempotency key: every retry of one operation carries the same value; 1-255 visible ASCII.",
         "schema": {"type": "string", "minLength": 1, "maxLength": 255},
     }
     for code in ("400", "409", "413", "422", "503"):
