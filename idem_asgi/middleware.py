@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import anyio
@@ -23,12 +23,23 @@ from .context import STATE_KEY, IdempotencyInfo, _current
 from .errors import BackendError, ConfigurationError
 from .fingerprint import RawBody
 from .keys import MalformedKey, ScopeFunc, parse_key
+from .observe import Event, EventName, Observer
 from .policy import RecoverHook, RoutePolicy, compile_path, seconds
 from .records import Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
 
 logger = logging.getLogger("idem_asgi")
 
 _HIDDEN_EXTENSIONS = ("http.response.pathsend", "http.response.zerocopysend")
+
+
+_EVENT_OF: dict[Action, EventName] = {
+    Action.RUN: "claimed",
+    Action.REPLAY: "replayed",
+    Action.MISMATCH: "mismatch",
+    Action.IN_PROGRESS: "conflict",
+    Action.NOT_STORED: "not_stored",
+    Action.EXPIRED: "expired",
+}
 
 
 class _Route:
@@ -103,6 +114,8 @@ class IdempotencyMiddleware:
         on_store_error: `fail_closed` answers 503 when the store fails; `fail_open` runs the app unprotected.
         recover: Default recovery hook for expired leases (per-route override: `RoutePolicy.recover`).
         replay_header: Header added to replays.
+        observer: Called with an `Event` at each decision (`idem_asgi.observe`: counters, logs,
+            Prometheus, OpenTelemetry); its exceptions are logged and ignored.
     """
 
     def __init__(
@@ -118,8 +131,10 @@ class IdempotencyMiddleware:
         on_store_error: Literal["fail_closed", "fail_open"] = "fail_closed",
         recover: RecoverHook | None = None,
         replay_header: str = "Idempotent-Replayed",
+        observer: Observer | None = None,
     ) -> None:
         self.app = app
+        self._observer = observer
         if backend is None:
             backend = MemoryBackend()
         elif isinstance(backend, str):
@@ -150,6 +165,17 @@ class IdempotencyMiddleware:
                 if strict:
                     raise ConfigurationError(message)
                 logger.warning(message)
+
+    def _emit(
+        self, name: EventName, route: _Route, rkey: RecordKey | None = None, status: int | None = None
+    ) -> None:
+        if self._observer is None:
+            return
+        try:
+            key, owner = (None, None) if rkey is None else (rkey.key, rkey.scope or None)
+            self._observer(Event(name, route.policy.path, key, owner, status))
+        except Exception:
+            logger.exception("idem_asgi: observer failed on %r", name)
 
     @property
     def policies(self) -> list[RoutePolicy]:
@@ -187,6 +213,7 @@ class IdempotencyMiddleware:
                 declared = v
         key: str | None = None
         if count > 1:
+            self._emit("rejected", route, status=400)
             await problems.send_problem(
                 send, problems.KEY_MALFORMED, f"Send exactly one {route.header_name} header, not {count}."
             )
@@ -195,10 +222,12 @@ class IdempotencyMiddleware:
             try:
                 key = parse_key(raw)
             except MalformedKey as exc:
+                self._emit("rejected", route, status=400)
                 await problems.send_problem(send, problems.KEY_MALFORMED, str(exc)[:1].upper() + str(exc)[1:] + ".")
                 return
         elif route.key_source is None:
             if route.required:
+                self._emit("rejected", route, status=400)
                 await problems.send_problem(
                     send, problems.KEY_REQUIRED, f"This operation requires an {route.header_name} header."
                 )
@@ -232,6 +261,7 @@ class IdempotencyMiddleware:
             key = route.key_source(scope, body, key)
             if key is None:
                 if route.required:
+                    self._emit("rejected", route, status=400)
                     await problems.send_problem(
                         send, problems.KEY_REQUIRED, "This operation needs the fields its idempotency key is made of."
                     )
@@ -246,6 +276,7 @@ class IdempotencyMiddleware:
             result = await self.backend.claim(rkey, fingerprint, lease=route.lease, ttl=route.ttl)
         except Exception as exc:
             _store_failed("claim failed", exc)
+            self._emit("store_error", route, rkey)
             if self.fail_open:
                 await self.app(scope, _replaying(body, receive), send)
             else:
@@ -269,6 +300,7 @@ class IdempotencyMiddleware:
         if action is Action.IN_PROGRESS and route.wait:
             result = await self._wait(route, rkey, fingerprint, result)
             action = decide(result, fingerprint)
+        self._emit(_EVENT_OF[action], route, rkey)
         if action is Action.RUN:
             assert isinstance(result, Claimed)
             await self._run(route, scope, receive, send, rkey, owner, body, result.token)
@@ -310,6 +342,7 @@ class IdempotencyMiddleware:
                     result = await self.backend.claim(rkey, fingerprint, lease=route.lease, ttl=route.ttl)
                 except Exception as exc:
                     _store_failed("claim failed while waiting", exc)
+                    self._emit("store_error", route, rkey)
                     break
         return result
 
@@ -335,6 +368,7 @@ class IdempotencyMiddleware:
         elif route.on_expired == "reclaim":
             outcome = "run"
         if outcome is None:
+            self._emit("outcome_unknown", route, rkey)
             await problems.send_problem(
                 send,
                 problems.OUTCOME_UNKNOWN,
@@ -344,12 +378,15 @@ class IdempotencyMiddleware:
             return
         try:
             taken = await self.backend.takeover(rkey, record.token, fingerprint, lease=route.lease, ttl=route.ttl)
+            if isinstance(taken, Claimed):
+                self._emit("recovered", route, rkey)
             if isinstance(taken, Claimed) and not isinstance(outcome, str):
                 await self.backend.complete(rkey, taken.token, outcome, ttl=route.ttl)
                 await self._replay(send, outcome)
                 return
         except Exception as exc:
             _store_failed("takeover failed", exc)
+            self._emit("store_error", route, rkey)
             await self._unavailable(route, send)
             return
         if isinstance(taken, Existing) and decide(taken, fingerprint) is Action.EXPIRED:
@@ -371,16 +408,21 @@ class IdempotencyMiddleware:
         token: int,
     ) -> None:
         backend = self.backend
-        renewal = _Renewal(backend, rkey, token, route.lease)
+        renewal = _Renewal(backend, rkey, token, route.lease, lambda name: self._emit(name, route, rkey))
 
         async def on_final(response: StoredResponse) -> None:
             renewal.stop()
             try:
                 if response.status in route.release_statuses:
                     await backend.release(rkey, token)
-                elif not await backend.complete(rkey, token, response, ttl=route.ttl):
+                    self._emit("released", route, rkey, response.status)
+                elif await backend.complete(rkey, token, response, ttl=route.ttl):
+                    self._emit("completed", route, rkey, response.status)
+                else:
                     logger.warning("idem_asgi: key %r was taken over; this answer was not stored", rkey.key)
+                    self._emit("lease_lost", route, rkey, response.status)
             except Exception:
+                self._emit("store_error", route, rkey, response.status)
                 # The effect happened and the client gets its answer; the record stays in progress
                 # and its lease expires into outcome-unknown, which recovery resolves. Never release.
                 logger.exception("idem_asgi: could not store the answer for key %r", rkey.key)
@@ -400,6 +442,7 @@ class IdempotencyMiddleware:
             if not capture.finished:
                 with anyio.CancelScope(shield=True):
                     await self._release(rkey, token)
+                self._emit("released", route, rkey)
             raise
         except BaseException:
             # Cancelled mid-flight: the effect may or may not have happened. Keep the claim; its
@@ -412,6 +455,7 @@ class IdempotencyMiddleware:
         renewal.stop()
         if not capture.finished:
             await self._release(rkey, token)
+            self._emit("released", route, rkey)
 
     async def _release(self, rkey: RecordKey, token: int) -> None:
         try:
@@ -426,6 +470,7 @@ class IdempotencyMiddleware:
         await send({"type": "http.response.body", "body": response.body, "more_body": False})
 
     async def _too_large(self, route: _Route, send: Send) -> None:
+        self._emit("rejected", route, status=413)
         await problems.send_problem(
             send, problems.BODY_TOO_LARGE, f"The request body exceeds this route's limit of {route.max_body} bytes."
         )
@@ -491,10 +536,13 @@ def _holding_disconnect(body: bytes, receive: Receive, capture: Capture) -> Rece
 class _Renewal:
     """Extends the lease every third of it while the app runs, so a live operation is never taken over."""
 
-    __slots__ = ("_backend", "_handle", "_interval", "_key", "_lease", "_stopped", "_task", "_token")
+    __slots__ = ("_backend", "_emit", "_handle", "_interval", "_key", "_lease", "_stopped", "_task", "_token")
 
-    def __init__(self, backend: Backend, key: RecordKey, token: int, lease: float) -> None:
+    def __init__(
+        self, backend: Backend, key: RecordKey, token: int, lease: float, emit: Callable[[EventName], None]
+    ) -> None:
         self._backend = backend
+        self._emit = emit
         self._key = key
         self._token = token
         self._lease = lease
@@ -511,12 +559,17 @@ class _Renewal:
     async def _extend(self) -> None:
         try:
             held = await self._backend.extend(self._key, self._token, lease=self._lease)
-        except Exception:
-            logger.warning("idem_asgi: could not extend the lease of key %r; will retry", self._key.key, exc_info=True)
+        except Exception as exc:
+            _store_failed(f"could not extend the lease of key {self._key.key!r}; will retry", exc)
+            self._emit("store_error")
             held = True
+        else:
+            if held and not self._stopped:
+                self._emit("lease_extended")
         if not held:
             if not self._stopped:
                 logger.warning("idem_asgi: lease of key %r was lost while the app ran", self._key.key)
+                self._emit("lease_lost")
             return
         if not self._stopped:
             self._handle = asyncio.get_running_loop().call_later(self._interval, self._fire)

@@ -1,0 +1,139 @@
+"""Observability through one hook: the middleware calls `observer(event)` at each decision.
+
+Ready-made observers: `Counters` (in-process counts, e.g. for a /metrics view or tests),
+`LogObserver` (one structured log record per event), `prometheus_observer()` (prometheus-client)
+and `otel_observer()` (attributes on the current OpenTelemetry span). Combine with `fan_out`.
+An observer that raises is logged and ignored: observability never fails a request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+EventName = Literal[
+    "claimed",  # a new key: the app runs
+    "completed",  # its answer was stored
+    "released",  # the app raised or answered a releasing status: a retry runs again
+    "replayed",  # a repeat got the stored answer
+    "conflict",  # a repeat while the first is running: 409
+    "mismatch",  # same key, other request: 422
+    "not_stored",  # completed, but the answer was too large to keep: 409
+    "expired",  # the holder's lease ran out: outcome unknown
+    "recovered",  # the recover hook or reclaim resolved an expired lease
+    "outcome_unknown",  # nothing resolved it: 409 outcome-unknown
+    "lease_extended",  # a long-running app's lease was renewed
+    "lease_lost",  # renewal found the claim taken over
+    "store_error",  # the store failed: 503 (or fail-open)
+    "rejected",  # bad input: 400 or 413
+]
+EVENT_NAMES: Final[tuple[str, ...]] = EventName.__args__  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One decision of the middleware about one request."""
+
+    name: EventName
+    route: str
+    """The route policy's path pattern (low cardinality: safe as a metric label)."""
+    key: str | None = None
+    scope: str | None = None
+    status: int | None = None
+
+
+Observer = Callable[[Event], None]
+
+
+class Counters:
+    """Counts events by name and by (route, name), in process."""
+
+    def __init__(self) -> None:
+        self.by_name: Counter[str] = Counter()
+        self.by_route: Counter[tuple[str, str]] = Counter()
+
+    def __call__(self, event: Event) -> None:
+        self.by_name[event.name] += 1
+        self.by_route[event.route, event.name] += 1
+
+    def __getitem__(self, name: str) -> int:
+        return self.by_name[name]
+
+
+_WARNINGS: Final = frozenset({"store_error", "lease_lost", "outcome_unknown", "expired"})
+
+
+class LogObserver:
+    """One log record per event on logger `idem_asgi.events`, fields in `extra` for JSON formatters."""
+
+    def __init__(self, logger: logging.Logger | None = None, level: int = logging.INFO) -> None:
+        self.logger = logger or logging.getLogger("idem_asgi.events")
+        self.level = level
+
+    def __call__(self, event: Event) -> None:
+        level = logging.WARNING if event.name in _WARNINGS else self.level
+        if self.logger.isEnabledFor(level):
+            self.logger.log(
+                level,
+                "idempotency %s route=%s key=%s status=%s",
+                event.name,
+                event.route,
+                event.key,
+                event.status,
+                extra={
+                    "idem_event": event.name,
+                    "idem_route": event.route,
+                    "idem_key": event.key,
+                    "idem_scope": event.scope,
+                    "idem_status": event.status,
+                },
+            )
+
+
+def fan_out(*observers: Observer) -> Observer:
+    """One observer that calls each of `observers` in turn."""
+
+    def observe(event: Event) -> None:
+        for o in observers:
+            o(event)
+
+    return observe
+
+
+def prometheus_observer(registry: Any = None, name: str = "idem_asgi_events_total") -> Observer:
+    """A counter `idem_asgi_events_total{event, route}`; needs `pip install "idem-asgi[prometheus]"`."""
+    try:
+        from prometheus_client import REGISTRY
+        from prometheus_client import Counter as PromCounter
+    except ImportError as exc:
+        raise ImportError('prometheus_observer needs prometheus-client: pip install "idem-asgi[prometheus]"') from exc
+    counter = PromCounter(
+        name.removesuffix("_total"), "Idempotency decisions", ["event", "route"], registry=registry or REGISTRY
+    )
+
+    def observe(event: Event) -> None:
+        counter.labels(event.name, event.route).inc()
+
+    return observe
+
+
+def otel_observer() -> Observer:
+    """Put the decision on the current OpenTelemetry span (`idempotency.*` attributes), if any is recording."""
+    try:
+        from opentelemetry import trace
+    except ImportError as exc:
+        raise ImportError("otel_observer needs opentelemetry-api, which an instrumented app already has") from exc
+
+    def observe(event: Event) -> None:
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attribute("idempotency.route", event.route)
+            span.set_attribute("idempotency.outcome", event.name)
+            if event.key is not None:
+                span.set_attribute("idempotency.key", event.key)
+            span.add_event(f"idempotency.{event.name}")
+
+    return observe
