@@ -263,18 +263,12 @@ def counting_connection_class() -> type:
     return CountingConnection
 
 
-async def _no_reset(conn: Any) -> None:
-    """A pool `reset=` hook that sends nothing (the backend keeps no session state)."""
-
-
-async def bench_postgres(dsn: str, n: int, *, no_reset: bool = False) -> dict[str, Any]:
+async def bench_postgres(dsn: str, n: int) -> dict[str, Any]:
     from idem_asgi.backends.postgres import PostgresBackend
 
     table = "idem_bench_records"
     namespace = f"bench-{uuid.uuid4().hex[:10]}"
     options: dict[str, Any] = {"min_size": 1, "max_size": 2, "connection_class": counting_connection_class()}
-    if no_reset:
-        options["reset"] = _no_reset
     backend = PostgresBackend.from_dsn(dsn, table=table, **options)  # the pool users of from_dsn get
     try:
         await backend.setup()
@@ -299,7 +293,7 @@ async def bench_postgres(dsn: str, n: int, *, no_reset: bool = False) -> dict[st
             async with pool.acquire() as conn:
                 await conn.execute(f"DELETE FROM {table} WHERE namespace = $1", namespace)
         await backend.aclose()
-    result["pool_reset"] = "none" if no_reset else "asyncpg default"
+    result["pool_reset"] = "none (from_dsn's default)"
     return result
 
 
@@ -322,7 +316,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             results["redis"] = await bench_redis(args.redis_url, args.n)
             results["redis"]["server"] = args.redis_url
     if "postgres" in backends:
-        results["postgres"] = await bench_postgres(args.postgres_dsn, args.n, no_reset=args.pg_no_reset)
+        results["postgres"] = await bench_postgres(args.postgres_dsn, args.n)
     return results
 
 
@@ -367,11 +361,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--redis-url", default=REDIS_URL)
     parser.add_argument("--postgres-dsn", default=POSTGRES_DSN)
     parser.add_argument("--throwaway", action="store_true", help="measure Redis on a private redis-server")
-    parser.add_argument(
-        "--pg-no-reset",
-        action="store_true",
-        help="give the Postgres pool a no-op reset= hook (asyncpg otherwise sends a reset query on each release)",
-    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--check", action="store_true", help="exit 1 when a figure is over its target")
     args = parser.parse_args(argv)

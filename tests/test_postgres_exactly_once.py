@@ -97,6 +97,11 @@ async def tables() -> AsyncIterator[tuple[str, str, str]]:
         await conn.close()
 
 
+def dump_logs(directory: Path) -> None:
+    for log in sorted(directory.glob("worker-*.log")):
+        print(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}")
+
+
 async def poll(what: str, check: Callable[[], Awaitable[bool]], timeout: float = 15) -> None:
     deadline = time.monotonic() + timeout
     while not await check():
@@ -202,5 +207,8 @@ async def test_sigkill_mid_request_leaves_exactly_one_ledger_row_per_key(
             f"{[counts[k] for k in in_tx]}, after-commit {[counts[k] for k in after]}, naive control "
             f"{[counts[k] for k in naive]}; 409 polls before the lease ran out: {max(waits.values())}"
         )
+    except BaseException:
+        dump_logs(tmp_path)
+        raise
     finally:
         await db.close()

@@ -249,20 +249,26 @@ async def test_stopped_server_answers_503_at_once_and_recovers(cluster: Cluster,
 
 async def test_frozen_server_answers_503_within_the_timeout_and_recovers(cluster: Cluster, rig: Rig) -> None:
     assert (await rig.post("warm-up")).status_code == 201
+    cold = Rig(cluster)  # a backend that has not connected yet: its pool is made on first use
     cluster.freeze()
     try:
         results = await timed_posts(rig, 2)
         concurrent = await asyncio.gather(*[timed_posts(rig, 1) for _ in range(12)])  # more than the pool
+        # Callers queue for the one pool creation; the wait counts against each one's timeout.
+        cold_results = await asyncio.gather(*[timed_posts(cold, 1) for _ in range(6)])
     finally:
-        cluster.thaw()
-    everything = results + [r for batch in concurrent for r in batch]
+        try:
+            cluster.thaw()
+        finally:
+            await cold.aclose()
+    everything = results + [r for batch in concurrent + cold_results for r in batch]
     assert_unavailable(everything, bound=3 * rig.backend.timeout)
-    assert set(rig.ledger.runs) == {"warm-up"}
+    assert set(rig.ledger.runs) == {"warm-up"} and not cold.ledger.runs
     fresh = [await rig.post(f"thawed-{uuid.uuid4().hex}") for _ in range(3)]
     assert [r.status_code for r in fresh] == [201] * 3
     rig.assert_at_most_once()
     times = sorted(t for t, _ in everything)
     print(
         f"\n[frozen] timeout {rig.backend.timeout}s: 503 after {times[0] * 1000:.0f}-{times[-1] * 1000:.0f} ms "
-        f"({len(times)} requests, 12 of them concurrent)"
+        f"({len(times)} requests: 2 in a row, 12 concurrent, 6 concurrent on a backend that never connected)"
     )

@@ -1,17 +1,24 @@
 """PostgreSQL store on asyncpg: one statement to claim-or-read, fenced UPDATE/DELETE after it.
 
-The claim is `INSERT ... ON CONFLICT DO UPDATE ... WHERE <expired>` in a CTE, followed by a
-read of the existing row in the same statement, so a new key and a replay each cost one round
-trip and an expired row is taken over atomically, never by delete-then-insert. Times are the
+The claim is one statement: a snapshot read of the row, an `INSERT ... ON CONFLICT DO NOTHING`
+when there is none, and a re-checked `UPDATE` when it is free (TTL over, or an expired lease
+being taken over), so a new key and a replay each cost one round trip, a replay writes nothing,
+and an expired row is taken over atomically, never by delete-then-insert. Times are the
 server's `now()`. The body is kept verbatim as `bytea`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import hashlib
 import random
 import re
+from collections.abc import AsyncIterator
+from contextvars import ContextVar
+from time import monotonic
 from types import TracebackType
-from typing import Any, Final
+from typing import Any, Final, Literal, NamedTuple
 
 import anyio
 import msgspec
@@ -33,7 +40,8 @@ CREATE TABLE IF NOT EXISTS {table} (
     namespace   text        NOT NULL,
     scope       text        NOT NULL,
     key         text        NOT NULL,
-    state       "char"      NOT NULL,            -- 'p' in progress, 'c' completed
+    state       "char"      NOT NULL,            -- 'p' in progress, 'e' in progress with its effect committed
+                                                 -- (see PostgresBackend.transaction), 'c' completed
     fingerprint bytea       NOT NULL,
     token       bigint      NOT NULL,            -- fencing token of the current holder
     lease_until timestamptz NOT NULL,
@@ -45,14 +53,60 @@ CREATE TABLE IF NOT EXISTS {table} (
     replayable  boolean,
     PRIMARY KEY (namespace, scope, key)
 );
-CREATE INDEX IF NOT EXISTS {index_prefix}_expires_idx ON {table} (expires_at);
-CREATE INDEX IF NOT EXISTS {index_prefix}_stale_idx ON {table} (lease_until) WHERE state = 'p';
+CREATE INDEX IF NOT EXISTS {expires_index} ON {table} (expires_at);
+CREATE INDEX IF NOT EXISTS {inflight_index} ON {table} (lease_until) WHERE state <> 'c';
 """
 
 _COLUMNS: Final = (
-    "state, fingerprint, token, extract(epoch from lease_until)::float8, extract(epoch from expires_at)::float8, "
-    "status, headers, body, replayable, extract(epoch from now())::float8"
+    "state, fingerprint, token, extract(epoch from lease_until)::float8 AS lease_until, "
+    "extract(epoch from expires_at)::float8 AS expires_at, status, headers, body, replayable, "
+    "extract(epoch from now())::float8 AS now"
 )
+
+
+# asyncpg raises asyncio.TimeoutError, which is the builtin TimeoutError only from Python 3.11.
+_TIMEOUT: Final = (TimeoutError, asyncio.TimeoutError)
+_UNAVAILABLE: Final = (
+    OSError,
+    *_TIMEOUT,
+    asyncpg.InterfaceError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.exceptions.OperatorInterventionError,  # admin/crash shutdown, cannot connect now, query canceled
+    asyncpg.exceptions.InsufficientResourcesError,  # too many connections, disk full
+)
+
+
+def _index_name(table: str, suffix: str) -> str:
+    """A quoted index name for `table` that stays distinct within Postgres's 63-byte limit."""
+    name = f"{table}_{suffix}"
+    if len(name) > 63:
+        name = f"{table[:40]}_{hashlib.sha256(table.encode()).hexdigest()[:8]}_{suffix}"
+    return f'"{name}"'
+
+
+class StaleRecord(msgspec.Struct, frozen=True, gc=False):
+    """An in-progress record whose lease ended: its holder stopped and nobody resolved it yet."""
+
+    key: RecordKey
+    record: Record
+    effect_committed: bool = False
+    """The holder's `transaction()` committed: the effect happened once, only the answer was lost."""
+
+
+class ClaimLost(BackendError):
+    """`transaction()` found the claim no longer held (its lease expired and was taken over).
+
+    The transaction is rolled back, so the effect did not happen under this claim.
+    """
+
+
+class _Claim(NamedTuple):
+    backend: PostgresBackend
+    key: RecordKey
+    token: int
+
+
+_claim_var: ContextVar[_Claim | None] = ContextVar("idem_asgi_postgres_claim", default=None)
 
 
 class PostgresBackend:
@@ -61,7 +115,8 @@ class PostgresBackend:
     Args:
         pool: An `asyncpg.Pool`; it stays yours (`aclose()` closes only a pool built by `from_dsn`).
         table: Table name, optionally `schema.table`.
-        timeout: Bound in seconds on acquiring a connection and on each statement.
+        timeout: Bound in seconds on each store call, waiting for a pooled connection included;
+            a call that runs out answers `BackendUnavailable` (the middleware's 503).
     """
 
     def __init__(self, pool: Any = None, *, table: str = "idem_records", timeout: float = 5.0) -> None:
@@ -69,57 +124,114 @@ class PostgresBackend:
         if len(parts) > 2 or not all(_IDENT.fullmatch(p) for p in parts):
             raise ConfigurationError(f"invalid table name {table!r}")
         self.table = ".".join(f'"{p}"' for p in parts)
-        self._index_prefix = parts[-1]
+        self._indexes = {
+            "expires_index": _index_name(parts[-1], "expires_idx"),
+            "inflight_index": _index_name(parts[-1], "inflight_idx"),
+        }
+        schema = f'"{parts[0]}".' if len(parts) == 2 else ""
+        self._relations = [self.table, *(schema + name for name in self._indexes.values())]
         self.timeout = timeout
         self._pool = pool
         self._dsn: str | None = None
         self._pool_options: dict[str, Any] = {}
         self._owned = False
         self._lock = anyio.Lock()
+        self._releasing: set[asyncio.Task[Any]] = set()
         t = self.table
+        # Claim-or-read in one statement that takes no lock and writes nothing unless it claims:
+        # `cur` reads the row in the statement's snapshot; a live row is returned as is (a replay
+        # or a 409 is a plain read: no row lock, no transaction id, no WAL flush at commit). With
+        # no row, `ins` inserts; with a free row (TTL over, or the lease of `$8` ended), `upd`
+        # takes it over, its WHERE re-checked on the newest row version. Both arms are exclusive.
+        # The statement returns no row when it lost a race it cannot see: a concurrent insert
+        # that committed after our snapshot (ON CONFLICT DO NOTHING waits for it, then does
+        # nothing, and the row is invisible to `cur`), or a free row another claimer or purge
+        # changed first. The caller then runs it again with a fresh snapshot.
+        free = (
+            "(r.expires_at <= now() OR (r.state = 'p' AND r.token IS NOT DISTINCT FROM $8 AND r.lease_until <= now()))"
+        )
         self._sql_claim = f"""
-WITH ins AS (
-    INSERT INTO {t} AS r (namespace, scope, key, state, fingerprint, token, lease_until, expires_at)
-    VALUES ($1, $2, $3, 'p', $4, $5, now() + $6::float8 * interval '1 second', now() + $7::float8 * interval '1 second')
-    ON CONFLICT (namespace, scope, key) DO UPDATE SET
-        state = 'p', fingerprint = EXCLUDED.fingerprint, token = EXCLUDED.token,
-        lease_until = EXCLUDED.lease_until, expires_at = EXCLUDED.expires_at, created_at = now(),
+WITH cur AS (
+    SELECT {_COLUMNS}, {free} AS free FROM {t} AS r WHERE namespace = $1 AND scope = $2 AND key = $3
+), ins AS (
+    INSERT INTO {t} (namespace, scope, key, state, fingerprint, token, lease_until, expires_at)
+    SELECT $1, $2, $3, 'p', $4, $5, now() + $6::float8 * interval '1 second', now() + $7::float8 * interval '1 second'
+    WHERE NOT EXISTS (SELECT 1 FROM cur)
+    ON CONFLICT (namespace, scope, key) DO NOTHING
+    RETURNING true
+), upd AS (
+    UPDATE {t} AS r SET
+        state = 'p', fingerprint = $4, token = $5, created_at = now(),
+        lease_until = now() + $6::float8 * interval '1 second', expires_at = now() + $7::float8 * interval '1 second',
         status = NULL, headers = NULL, body = NULL, replayable = NULL
-    WHERE r.expires_at <= now() OR (r.state = 'p' AND r.token = $8 AND r.lease_until <= now())
-    RETURNING true AS claimed
+    WHERE namespace = $1 AND scope = $2 AND key = $3 AND EXISTS (SELECT 1 FROM cur WHERE free) AND {free}
+    RETURNING true
 )
 SELECT true, NULL::"char", NULL::bytea, NULL::bigint, NULL::float8, NULL::float8,
        NULL::integer, NULL::bytea, NULL::bytea, NULL::boolean, NULL::float8 FROM ins
 UNION ALL
-SELECT false, {_COLUMNS} FROM {t}
-WHERE namespace = $1 AND scope = $2 AND key = $3 AND NOT EXISTS (SELECT 1 FROM ins)
+SELECT true, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM upd
+UNION ALL
+SELECT false, state, fingerprint, token, lease_until, expires_at, status, headers, body, replayable, now
+FROM cur WHERE NOT free
 """
-        where = "namespace = $1 AND scope = $2 AND key = $3 AND token = $4 AND state = 'p'"
+        held = "namespace = $1 AND scope = $2 AND key = $3 AND token = $4"
+        where = f"{held} AND state IN ('p', 'e')"
         self._sql_complete = f"""
 UPDATE {t} SET state = 'c', status = $5, headers = $6, body = $7, replayable = $8,
     lease_until = now(), expires_at = now() + $9::float8 * interval '1 second'
 WHERE {where}"""
-        self._sql_release = f"DELETE FROM {t} WHERE {where}"
+        # Never release a record whose effect committed ('e'): a retry must not run it again.
+        self._sql_release = f"DELETE FROM {t} WHERE {held} AND state = 'p'"
+        self._sql_effect = f"UPDATE {t} SET state = 'e' WHERE {held} AND state = 'p'"
+        self._sql_holder = f"SELECT state FROM {t} WHERE {held}"
+        self._sql_completed_by = f"""
+SELECT true FROM {t} WHERE namespace = $1 AND scope = $2 AND key = $3 AND token = $4 AND state = 'c'"""
         self._sql_extend = f"""
 UPDATE {t} SET lease_until = greatest(lease_until, now() + $5::float8 * interval '1 second') WHERE {where}"""
         self._sql_get = f"""
 SELECT false, {_COLUMNS} FROM {t} WHERE namespace = $1 AND scope = $2 AND key = $3 AND expires_at > now()"""
+        # Row locks are taken by the inner SELECT and skipped when held (a claim re-using an
+        # expired row), so a purge never waits on, nor blocks, live traffic for long. TIDs in an
+        # array make a TID scan, where `ctid IN (subquery)` would scan the whole table per batch.
+        self._sql_purge = f"""
+DELETE FROM {t} WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM {t} WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED
+)) AND expires_at <= now()"""
+        self._sql_stale = f"""
+SELECT false, {_COLUMNS}, namespace, scope, key FROM {t}
+WHERE state <> 'c' AND lease_until <= now() - $1::float8 * interval '1 second' AND expires_at > now()
+ORDER BY lease_until LIMIT $2"""
 
     @classmethod
     def from_dsn(
         cls, dsn: str, *, table: str = "idem_records", timeout: float = 5.0, **pool_options: Any
     ) -> PostgresBackend:
-        """A backend that creates (and owns) its pool on first use, and its table if missing."""
+        """A backend that creates (and owns) its pool on first use, and its table if missing.
+
+        `pool_options` go to `asyncpg.create_pool` (defaults: `min_size=2`, `max_size=20`). The
+        pool's sessions are pinned to READ COMMITTED, which the claim statement relies on, unless
+        `server_settings` says otherwise. Connections go back to the pool without asyncpg's reset
+        query (`RESET ALL; UNLISTEN *; ...`): the backend leaves no session state behind, and the
+        reset would double the round trips (asyncpg still rolls back an open transaction itself).
+        """
         backend = cls(table=table, timeout=timeout)
         backend._dsn = dsn
-        backend._pool_options = {"min_size": 2, "max_size": 20, **pool_options}
+        server_settings = {"default_transaction_isolation": "read committed", **pool_options.pop("server_settings", {})}
+        backend._pool_options = {
+            "min_size": 2,
+            "max_size": 20,
+            "server_settings": server_settings,
+            "reset": _keep_session,
+            **pool_options,
+        }
         backend._owned = True
         return backend
 
     @property
     def ddl(self) -> str:
         """The schema as SQL text, for migration tools."""
-        return DDL.format(table=self.table, index_prefix=self._index_prefix)
+        return DDL.format(table=self.table, **self._indexes)
 
     async def __aenter__(self) -> PostgresBackend:
         return self
@@ -132,44 +244,111 @@ SELECT false, {_COLUMNS} FROM {t} WHERE namespace = $1 AND scope = $2 AND key = 
     async def _get_pool(self) -> Any:
         if self._pool is not None:
             return self._pool
-        async with self._lock:
-            if self._pool is None:
-                if self._dsn is None:
-                    raise ConfigurationError("PostgresBackend needs a pool or PostgresBackend.from_dsn(dsn)")
-                try:
-                    with anyio.fail_after(self.timeout):
-                        pool = await asyncpg.create_pool(self._dsn, **self._pool_options)
-                except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-                    raise BackendUnavailable(f"postgres unavailable: {exc}") from exc
-                try:
-                    async with pool.acquire() as conn:
-                        await conn.execute(self.ddl)
-                except BaseException:
-                    await pool.close()
-                    raise
-                self._pool = pool
-        return self._pool
-
-    async def setup(self) -> None:
-        """Create the table and indexes if missing (idempotent)."""
-        pool = await self._get_pool()
-        await self._run(pool, "execute", self.ddl)
-
-    async def _run(self, pool: Any, method: str, sql: str, *args: Any) -> Any:
+        if self._dsn is None:
+            raise ConfigurationError("PostgresBackend needs a pool or PostgresBackend.from_dsn(dsn)")
+        # The wait for another request's attempt counts against this request's timeout: with the
+        # server hung, the tenth caller would otherwise wait ten timeouts.
         try:
-            async with pool.acquire(timeout=self.timeout) as conn:
-                return await getattr(conn, method)(sql, *args, timeout=self.timeout)
-        except (
-            OSError,
-            TimeoutError,
-            asyncpg.InterfaceError,
-            asyncpg.PostgresConnectionError,
-            asyncpg.exceptions.OperatorInterventionError,
-            asyncpg.exceptions.CannotConnectNowError,
-        ) as exc:
+            with anyio.fail_after(self.timeout):
+                async with self._lock:
+                    if self._pool is None:
+                        pool = await asyncpg.create_pool(self._dsn, **self._pool_options)
+                        try:
+                            async with pool.acquire() as conn:
+                                await self._create(conn)
+                        except BaseException:
+                            pool.terminate()
+                            raise
+                        self._pool = pool
+        except _UNAVAILABLE as exc:
             raise BackendUnavailable(f"postgres unavailable: {exc!r}") from exc
         except asyncpg.PostgresError as exc:
             raise BackendError(f"postgres error: {exc!r}") from exc
+        return self._pool
+
+    async def _create(self, conn: Any) -> None:
+        exists = "SELECT " + " AND ".join(f"to_regclass(${i}) IS NOT NULL" for i in range(1, len(self._relations) + 1))
+        if await conn.fetchval(exists, *self._relations, timeout=self.timeout):
+            return  # nothing to do, and no lock taken on a table that is serving
+        # CREATE ... IF NOT EXISTS is not safe against itself: two workers starting together can
+        # both pass the check and one fails on pg_type's unique index. A transaction-scoped
+        # advisory lock on the table name serialises them.
+        async with conn.transaction():
+            await conn.execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended($1, 1953))", self.table, timeout=self.timeout
+            )
+            await conn.execute(self.ddl, timeout=self.timeout)
+
+    async def setup(self) -> None:
+        """Create the table and indexes if missing (idempotent, safe to run from many workers at once).
+
+        Also checks that the pool's sessions run at READ COMMITTED: under REPEATABLE READ or
+        SERIALIZABLE, concurrent claims of one key fail with serialization errors (503s).
+        """
+        pool = await self._get_pool()
+        try:
+            async with pool.acquire(timeout=self.timeout) as conn:
+                isolation = await conn.fetchval("SHOW default_transaction_isolation", timeout=self.timeout)
+                if isolation != "read committed":
+                    raise ConfigurationError(
+                        f"the pool's sessions default to {isolation!r}; concurrent claims need 'read committed': "
+                        "create the pool with server_settings={'default_transaction_isolation': 'read committed'}"
+                    )
+                await self._create(conn)
+        except _UNAVAILABLE as exc:
+            raise BackendUnavailable(f"postgres unavailable: {exc!r}") from exc
+        except asyncpg.PostgresError as exc:
+            raise BackendError(f"postgres error: {exc!r}") from exc
+
+    async def _run(self, pool: Any, method: str, sql: str, *args: Any, deadline: float | None = None) -> Any:
+        # One deadline for the whole call: waiting for a pooled connection, then the statement.
+        # When the statement times out, asyncpg sends the server a cancel request; the connection
+        # goes back to the pool in the background (bounded by `timeout`, else it is terminated),
+        # so a hung server costs the caller `timeout`, not two or three times it.
+        if deadline is None:
+            deadline = monotonic() + self.timeout
+        try:
+            remaining = deadline - monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            conn = await pool.acquire(timeout=remaining)
+            release = True
+            try:
+                remaining = deadline - monotonic()
+                if remaining <= 0:
+                    raise TimeoutError
+                return await getattr(conn, method)(sql, *args, timeout=remaining)
+            except _TIMEOUT:
+                release = False
+                task = asyncio.get_running_loop().create_task(_release_quietly(pool, conn))
+                self._releasing.add(task)
+                task.add_done_callback(self._releasing.discard)
+                raise
+            finally:
+                if release:
+                    await pool.release(conn)
+        except _UNAVAILABLE as exc:
+            raise BackendUnavailable(f"postgres unavailable: {exc!r}") from exc
+        except asyncpg.PostgresError as exc:
+            raise BackendError(f"postgres error: {exc!r}") from exc
+
+    async def _run_again(self, pool: Any, method: str, sql: str, *args: Any) -> tuple[Any, bool]:
+        """Run a statement; after a broken connection, once more on a fresh one, within one deadline.
+
+        Returns (result, retried). A broken connection (terminated backend, server restart, reset)
+        leaves it unknown whether the statement committed, so only statements that can tell their
+        own earlier effect apart are run this way. Timeouts are not retried: the server may be hung.
+        """
+        deadline = monotonic() + self.timeout
+        try:
+            return await self._run(pool, method, sql, *args, deadline=deadline), False
+        except BackendUnavailable as exc:
+            if isinstance(exc.__cause__, _TIMEOUT):
+                raise
+            # What broke one connection (a restart, a mass pg_terminate_backend) usually broke the
+            # idle ones too: have the pool replace them all instead of handing us the next corpse.
+            await pool.expire_connections()
+        return await self._run(pool, method, sql, *args, deadline=deadline), True
 
     async def _claim(
         self, key: RecordKey, fingerprint: bytes, stale: int | None, lease: float, ttl: float
@@ -178,12 +357,17 @@ SELECT false, {_COLUMNS} FROM {t} WHERE namespace = $1 AND scope = $2 AND key = 
         token = random.getrandbits(62) + 1
         args = (key.namespace, key.scope, key.key, fingerprint, token, lease, ttl, stale)
         for _ in range(5):
-            row = await self._run(pool, "fetchrow", self._sql_claim, *args)
+            row, _retried = await self._run_again(pool, "fetchrow", self._sql_claim, *args)
             if row is None:
-                continue  # a concurrent insert committed after our snapshot: read again
-            if row[0]:
+                continue  # lost a race our snapshot cannot see (see _sql_claim): read again
+            record = None if row[0] else _record(row)
+            if record is None or (record.token == token and record.state == IN_PROGRESS):
+                # (The second case is our own claim: an earlier attempt committed it and its answer
+                # was lost with the connection. The token is ours alone, so the key is ours.)
+                _claim_var.set(_Claim(self, key, token))
                 return Claimed(token)
-            return Existing(_record(row), row[10])
+            _claim_var.set(None)
+            return Existing(record, row[10])
         raise BackendError("claim found neither a free key nor a record after 5 attempts")
 
     async def claim(self, key: RecordKey, fingerprint: bytes, *, lease: float, ttl: float) -> ClaimResult:
@@ -196,25 +380,21 @@ SELECT false, {_COLUMNS} FROM {t} WHERE namespace = $1 AND scope = $2 AND key = 
 
     async def complete(self, key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
         pool = await self._get_pool()
-        status = await self._run(
-            pool,
-            "execute",
-            self._sql_complete,
-            key.namespace,
-            key.scope,
-            key.key,
-            token,
-            response.status,
-            _headers_encode(response.headers),
-            response.body,
-            response.replayable,
-            ttl,
-        )
-        return bool(status == "UPDATE 1")
+        args = (key.namespace, key.scope, key.key, token)
+        payload = (response.status, _headers_encode(response.headers), response.body, response.replayable, ttl)
+        status, retried = await self._run_again(pool, "execute", self._sql_complete, *args, *payload)
+        if status == "UPDATE 1":
+            return True
+        if retried:
+            # The first attempt may have committed before the connection broke: a record completed
+            # under our token can only be our own completion.
+            return bool(await self._run(pool, "fetchval", self._sql_completed_by, *args))
+        return False
 
     async def release(self, key: RecordKey, token: int) -> bool:
         pool = await self._get_pool()
-        status = await self._run(pool, "execute", self._sql_release, key.namespace, key.scope, key.key, token)
+        # Safe to run twice: a second DELETE under the same token finds nothing (False, harmlessly).
+        status, _ = await self._run_again(pool, "execute", self._sql_release, key.namespace, key.scope, key.key, token)
         return bool(status == "DELETE 1")
 
     async def extend(self, key: RecordKey, token: int, *, lease: float) -> bool:
@@ -227,11 +407,110 @@ SELECT false, {_COLUMNS} FROM {t} WHERE namespace = $1 AND scope = $2 AND key = 
         row = await self._run(pool, "fetchrow", self._sql_get, key.namespace, key.scope, key.key)
         return None if row is None else _record(row)
 
+    async def purge(self, batch_size: int = 1000, *, max_batches: int | None = None) -> int:
+        """Delete expired records, `batch_size` rows per statement; returns how many were deleted.
+
+        Each batch is its own short autocommit statement that skips rows locked by live traffic,
+        so it is safe to run while serving (from cron or a periodic task). Stops when a batch
+        comes back short, or after `max_batches`.
+        """
+        if batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        pool = await self._get_pool()
+        total = 0
+        batches = 0
+        while max_batches is None or batches < max_batches:
+            status = await self._run(pool, "execute", self._sql_purge, batch_size)
+            deleted = int(status.rpartition(" ")[2])
+            total += deleted
+            batches += 1
+            if deleted < batch_size:
+                break
+        return total
+
+    async def stale(self, older_than: float = 0.0, *, limit: int = 1000) -> list[StaleRecord]:
+        """In-progress records whose lease ended more than `older_than` seconds ago (store clock).
+
+        Their holder stopped between claim and completion, so their outcome is unknown: the list
+        is for a reconcile job that asks the source of truth, then completes or releases them.
+        Oldest first, at most `limit`; records past their TTL are not listed.
+        """
+        pool = await self._get_pool()
+        rows = await self._run(pool, "fetch", self._sql_stale, float(older_than), limit)
+        return [StaleRecord(RecordKey.build(row[11], row[12], row[13]), _record(row), row[1] == b"e") for row in rows]
+
+    @contextlib.asynccontextmanager
+    async def transaction(self, connection: Any = None) -> AsyncIterator[Any]:
+        """A transaction whose commit also records that this request's effect happened.
+
+        Use it in a handler behind `IdempotencyMiddleware` with this backend, for every write the
+        request makes to this database::
+
+            async with backend.transaction() as conn:
+                await conn.execute("INSERT INTO ledger ...", ...)
+
+        Just before COMMIT it marks the claim `effect committed`, fenced by the claim's token, in
+        the same transaction. So the business writes and that mark commit or roll back together:
+        a worker killed before COMMIT leaves nothing behind but an in-progress claim, which
+        `recover_uncommitted` (as the route's `recover` hook) lets the next retry run again; a
+        worker killed after COMMIT leaves a claim that is never run again. A holder whose claim
+        was taken over meanwhile gets `ClaimLost` and its writes are rolled back.
+
+        Yields an asyncpg connection from the backend's pool, or `connection` (yours, e.g. one in
+        your own unit of work; the block then becomes a savepoint inside your transaction, and the
+        mark commits with your COMMIT). A request that carries no key has no claim: the block is
+        then a plain transaction.
+        """
+        claim = _claim_var.get()
+        if claim is not None and claim.backend is not self:
+            raise ConfigurationError("this request was claimed through another PostgresBackend instance")
+        pool = None
+        if connection is None:
+            pool = await self._get_pool()
+            try:
+                connection = await pool.acquire(timeout=self.timeout)
+            except _UNAVAILABLE as exc:
+                raise BackendUnavailable(f"postgres unavailable: {exc!r}") from exc
+        try:
+            async with connection.transaction():
+                yield connection
+                if claim is not None:
+                    k = claim.key
+                    status = await connection.execute(
+                        self._sql_effect, k.namespace, k.scope, k.key, claim.token, timeout=self.timeout
+                    )
+                    if status != "UPDATE 1":
+                        raise ClaimLost(f"the claim on key {k.key!r} was lost; the transaction is rolled back")
+        finally:
+            if pool is not None:
+                await pool.release(connection)
+
+    async def recover_uncommitted(self, key: RecordKey, record: Record) -> Literal["run"] | None:
+        """A `RoutePolicy(recover=...)` hook for handlers whose every effect goes through `transaction()`.
+
+        A claim whose holder died is re-run when its transaction never committed (nothing
+        happened), and left to `outcome-unknown` when it did (the effect happened; only the answer
+        was lost). The re-run takes the claim over by its old token, so it cannot race the old
+        holder: if that one commits after all, the takeover fails, and the other way round.
+        """
+        pool = await self._get_pool()
+        state = await self._run(pool, "fetchval", self._sql_holder, key.namespace, key.scope, key.key, record.token)
+        return "run" if state == b"p" else None
+
     async def aclose(self) -> None:
-        """Close the pool if `from_dsn` made it."""
+        """Close the pool if `from_dsn` made it (after connections still being handed back)."""
+        if self._releasing:
+            await asyncio.gather(*self._releasing, return_exceptions=True)
         if self._owned and self._pool is not None:
             pool, self._pool = self._pool, None
             await pool.close()
+
+
+async def _release_quietly(pool: Any, conn: Any) -> None:
+    # The pool terminates a connection it could not reset in time and re-raises; nobody waits
+    # for this task, so there is nobody to tell.
+    with contextlib.suppress(Exception):
+        await pool.release(conn)
 
 
 def _record(row: Any) -> Record:
@@ -239,3 +518,7 @@ def _record(row: Any) -> Record:
     if row[1] == b"c" and row[6] is not None:
         response = StoredResponse(row[6], _headers_decode(row[7]), row[8], row[9])
     return Record(COMPLETED if row[1] == b"c" else IN_PROGRESS, row[2], row[3], row[4], row[5], response)
+
+
+async def _keep_session(connection: Any) -> None:
+    """Pool reset hook that sends nothing: our statements leave no session state to reset."""
