@@ -10,12 +10,14 @@ from .middleware import IdempotencyMiddleware
 from .openapi import add_openapi
 from .policy import RoutePolicy
 from .records import Record, RecordKey, StoredResponse
+from .signatures import HmacScheme, SignatureMiddleware, StripeScheme
 
 __all__ = [
     "Backend",
     "BackendError",
     "BackendUnavailable",
     "ConfigurationError",
+    "HmacScheme",
     "IdemError",
     "IdempotencyInfo",
     "IdempotencyMiddleware",
@@ -24,7 +26,9 @@ __all__ = [
     "Record",
     "RecordKey",
     "RoutePolicy",
+    "SignatureMiddleware",
     "StoredResponse",
+    "StripeScheme",
     "add_openapi",
     "backend_from_url",
     "current_idempotency",
