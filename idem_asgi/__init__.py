@@ -9,7 +9,7 @@ from .keys import scope_from_header, scope_from_state, scope_from_token_hash
 from .middleware import IdempotencyMiddleware
 from .openapi import add_openapi
 from .policy import RoutePolicy
-from .records import Record, RecordKey, StoredResponse
+from .records import Record, RecordKey, StaleRecord, StoredResponse
 from .signatures import HmacScheme, SignatureMiddleware, StripeScheme
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "RecordKey",
     "RoutePolicy",
     "SignatureMiddleware",
+    "StaleRecord",
     "StoredResponse",
     "StripeScheme",
     "add_openapi",

@@ -95,3 +95,16 @@ class Existing(msgspec.Struct, frozen=True, gc=False):
 
 
 ClaimResult = Claimed | Existing
+
+
+class StaleRecord(msgspec.Struct, frozen=True, gc=False):
+    """An in-progress record whose lease ended: its holder stopped and nobody resolved it yet.
+
+    Listed by a backend's `stale()` for the reconcile tool; `key` is the full (namespace, scope,
+    key) with its digest, usable with `takeover`/`complete`/`release`.
+    """
+
+    key: RecordKey
+    record: Record
+    effect_committed: bool = False
+    """The holder's `transaction()` committed (Postgres only): the effect happened once, only the answer was lost."""

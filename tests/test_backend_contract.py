@@ -6,7 +6,8 @@ import asyncio
 
 from idem_asgi._decide import Action, decide
 from idem_asgi.backends import Backend
-from idem_asgi.records import COMPLETED, IN_PROGRESS, Claimed, Existing, RecordKey, StoredResponse
+from idem_asgi.backends._protocol import Maintenance
+from idem_asgi.records import COMPLETED, IN_PROGRESS, Claimed, Existing, RecordKey, StaleRecord, StoredResponse
 
 DAY = 86_400.0
 RESPONSE = StoredResponse(
@@ -212,3 +213,70 @@ async def test_backend_is_an_async_context_manager(backend: Backend) -> None:
     assert isinstance(backend, Backend)
     async with backend as entered:  # type: ignore[attr-defined]
         assert entered is backend
+
+
+# --- the ops half (Maintenance): stale() and purge() -----------------------------------------
+
+
+async def test_every_backend_has_the_maintenance_half(backend: Backend) -> None:
+    assert isinstance(backend, Maintenance)
+
+
+async def test_stale_lists_expired_in_progress_records_with_their_key(backend: Backend, namespace: str) -> None:
+    assert isinstance(backend, Maintenance)
+    crashed = RecordKey.build(namespace, "tenant:a{x}", "crashed*[1]")
+    older = RecordKey.build(namespace, None, "older")
+    first = await backend.claim(older, b"fp0", lease=0.1, ttl=DAY)
+    second = await backend.claim(crashed, b"fp1", lease=0.2, ttl=DAY)
+    assert isinstance(first, Claimed) and isinstance(second, Claimed)
+    assert isinstance(await backend.claim(k(namespace, "running"), b"fp", lease=30, ttl=DAY), Claimed)
+    done = await backend.claim(k(namespace, "done"), b"fp", lease=0.1, ttl=DAY)
+    assert isinstance(done, Claimed) and await backend.complete(k(namespace, "done"), done.token, RESPONSE, ttl=DAY)
+    assert isinstance(await backend.claim(k(namespace, "gone"), b"fp", lease=0.1, ttl=0.3), Claimed)  # TTL over too
+    await asyncio.sleep(0.45)
+
+    stale = await backend.stale(0, namespace=namespace)
+    assert [s.key for s in stale] == [older, crashed]  # oldest lease first; full key, digest included
+    assert all(isinstance(s, StaleRecord) and not s.effect_committed for s in stale)
+    assert (stale[1].key.namespace, stale[1].key.scope, stale[1].key.key) == (namespace, "tenant:a{x}", "crashed*[1]")
+    rec = stale[1].record
+    assert (rec.state, rec.fingerprint, rec.token, rec.response) == (IN_PROGRESS, b"fp1", second.token, None)
+    assert rec.lease_until < rec.expires_at
+    assert await backend.stale(60, namespace=namespace) == []
+    assert len(await backend.stale(0, 1, namespace=namespace)) == 1
+    # The listed key is usable as is: take it over by its token, and it is no longer stale.
+    taken = await backend.takeover(stale[1].key, rec.token, rec.fingerprint, lease=30, ttl=DAY)
+    assert isinstance(taken, Claimed)
+    assert [s.key for s in await backend.stale(0, namespace=namespace)] == [older]
+
+
+async def test_stale_keeps_to_its_namespace(backend: Backend, namespace: str) -> None:
+    assert isinstance(backend, Maintenance)
+    other = namespace + "-other"
+    assert isinstance(await backend.claim(k(other), b"fp", lease=0.1, ttl=DAY), Claimed)
+    await asyncio.sleep(0.25)
+    assert await backend.stale(0, namespace=namespace) == []
+    assert [s.key for s in await backend.stale(0, namespace=other)] == [k(other)]
+
+
+async def test_purge_deletes_only_expired_records(backend: Backend, namespace: str) -> None:
+    """Redis expires keys by itself and returns 0; the others delete and count."""
+    assert isinstance(backend, Maintenance)
+    for name in ("short-done", "short-running"):
+        claimed = await backend.claim(k(namespace, name), b"fp", lease=0.1, ttl=0.3)
+        assert isinstance(claimed, Claimed)
+        if name == "short-done":
+            assert await backend.complete(k(namespace, name), claimed.token, RESPONSE, ttl=0.3)
+    live = await backend.claim(k(namespace, "live"), b"fp", lease=30, ttl=DAY)
+    assert isinstance(live, Claimed)
+    await asyncio.sleep(0.45)
+    deleted = await backend.purge(batch_size=1)
+    if type(backend).__name__ == "RedisBackend":
+        assert deleted == 0
+    else:
+        assert deleted >= 2  # a shared Postgres table may hold other tests' expired rows too
+    assert await backend.get(k(namespace, "short-done")) is None
+    assert await backend.get(k(namespace, "short-running")) is None
+    rec = await backend.get(k(namespace, "live"))
+    assert rec is not None and rec.token == live.token
+    assert await backend.purge() >= 0

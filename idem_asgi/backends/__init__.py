@@ -9,14 +9,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigurationError
-from ._protocol import Backend
+from ._protocol import Backend, Maintenance
 from .memory import MemoryBackend
 
 if TYPE_CHECKING:
     from .postgres import PostgresBackend
     from .redis import RedisBackend
 
-__all__ = ["Backend", "MemoryBackend", "PostgresBackend", "RedisBackend", "backend_from_url"]
+__all__ = ["Backend", "Maintenance", "MemoryBackend", "PostgresBackend", "RedisBackend", "backend_from_url"]
 
 
 def __getattr__(name: str) -> Any:

@@ -3,13 +3,17 @@
 Costs: `claim` is one round trip (claim-or-read), `complete`/`release`/`extend` one each.
 Every write after the claim is fenced by the claim's token: a holder whose token is stale
 (its lease was taken over) gets False and changes nothing.
+
+`Maintenance` is the optional second half, for the ops tools (`idem_asgi.reconcile`, the
+`idem-asgi` CLI): listing stale claims and purging expired records. It is a separate protocol,
+so a store without it still works behind the middleware.
 """
 
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from ..records import ClaimResult, Record, RecordKey, StoredResponse
+from ..records import ClaimResult, Record, RecordKey, StaleRecord, StoredResponse
 
 
 @runtime_checkable
@@ -47,4 +51,26 @@ class Backend(Protocol):
 
     async def aclose(self) -> None:
         """Close what the backend created (never a client or pool it was given)."""
+        ...
+
+
+@runtime_checkable
+class Maintenance(Protocol):
+    """What the reconcile tool and the CLI need beyond `Backend`. Safe to call while serving."""
+
+    async def stale(
+        self, older_than: float = 0.0, limit: int = 1000, *, namespace: str | None = None
+    ) -> list[StaleRecord]:
+        """In-progress records whose lease ended more than `older_than` seconds ago, by the store's clock.
+
+        At most `limit`; records past their TTL are not listed. `namespace` keeps only that
+        namespace's records (several apps may share one store, each with its own resolver).
+        """
+        ...
+
+    async def purge(self, batch_size: int = 1000) -> int:
+        """Delete records past their TTL, `batch_size` per step; returns how many were deleted.
+
+        A store that expires records by itself (Redis) may return 0.
+        """
         ...

@@ -3,12 +3,14 @@
 Each operation runs without an await, so it is atomic under asyncio; a threading lock keeps it
 safe when several event loops share one instance. Records are evicted at their expiry, and the
 oldest completed answer goes first once `max_entries` is reached (in-progress records are never
-evicted; a store full of them answers 503). Records are per process: two workers never see each
+evicted; a store full of them answers 503). Each record's `RecordKey` is kept beside it, so
+`stale()` can name the keys of stuck claims. Records are per process: two workers never see each
 other's keys, so use Redis or Postgres as soon as you run more than one process.
 """
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import random
 import threading
@@ -17,7 +19,17 @@ from collections.abc import Callable
 from types import TracebackType
 
 from ..errors import BackendUnavailable, ConfigurationError
-from ..records import COMPLETED, IN_PROGRESS, Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
+from ..records import (
+    COMPLETED,
+    IN_PROGRESS,
+    Claimed,
+    ClaimResult,
+    Existing,
+    Record,
+    RecordKey,
+    StaleRecord,
+    StoredResponse,
+)
 
 
 class MemoryBackend:
@@ -30,6 +42,7 @@ class MemoryBackend:
         self.max_entries = max_entries
         self._clock = clock
         self._records: dict[str, Record] = {}
+        self._keys: dict[str, RecordKey] = {}  # digest -> its (namespace, scope, key), for stale()
         self._expiry: list[tuple[float, str]] = []
         self._lock = threading.Lock()
 
@@ -47,31 +60,33 @@ class MemoryBackend:
     def _live(self, digest: str, now: float) -> Record | None:
         rec = self._records.get(digest)
         if rec is not None and rec.expires_at <= now:
-            del self._records[digest]
+            self._drop(digest)
             return None
         return rec
 
-    def _put(self, digest: str, rec: Record, now: float) -> None:
+    def _drop(self, digest: str) -> None:
+        del self._records[digest]
+        self._keys.pop(digest, None)
+
+    def _put(self, key: RecordKey, rec: Record, now: float) -> None:
+        digest = key.digest
         if digest not in self._records:
             self._evict(now)
         self._records[digest] = rec
+        self._keys[digest] = key
         heapq.heappush(self._expiry, (rec.expires_at, digest))
 
     def _evict(self, now: float) -> None:
-        heap, records = self._expiry, self._records
-        while heap and heap[0][0] <= now:
-            _, digest = heapq.heappop(heap)
-            rec = records.get(digest)
-            if rec is not None and rec.expires_at <= now:
-                del records[digest]
+        records = self._records
+        self._expire(now, None)
         if len(records) >= self.max_entries:
             # Forget the oldest *completed* answer; a running operation is never forgotten, since
             # its duplicate would then run a second time. Full of running operations: refuse (503).
             victim = next((d for d, r in records.items() if r.state == COMPLETED), None)
             if victim is None:
                 raise BackendUnavailable(f"memory store full: {len(records)} operations in progress")
-            del records[victim]
-        if len(heap) > 2 * len(records) + 1024:
+            self._drop(victim)
+        if len(self._expiry) > 2 * len(records) + 1024:
             self._expiry = [(r.expires_at, d) for d, r in records.items()]
             heapq.heapify(self._expiry)
 
@@ -82,7 +97,7 @@ class MemoryBackend:
             if rec is not None:
                 return Existing(rec, now)
             token = random.getrandbits(62) + 1
-            self._put(key.digest, Record(IN_PROGRESS, fingerprint, token, now + lease, now + ttl), now)
+            self._put(key, Record(IN_PROGRESS, fingerprint, token, now + lease, now + ttl), now)
             return Claimed(token)
 
     async def takeover(
@@ -96,7 +111,7 @@ class MemoryBackend:
             ):
                 return Existing(rec, now)
             token = random.getrandbits(62) + 1
-            self._put(key.digest, Record(IN_PROGRESS, fingerprint, token, now + lease, now + ttl), now)
+            self._put(key, Record(IN_PROGRESS, fingerprint, token, now + lease, now + ttl), now)
             return Claimed(token)
 
     def _held(self, key: RecordKey, token: int, now: float) -> Record | None:
@@ -119,7 +134,7 @@ class MemoryBackend:
         with self._lock:
             if self._held(key, token, self._clock()) is None:
                 return False
-            del self._records[key.digest]
+            self._drop(key.digest)
             return True
 
     async def extend(self, key: RecordKey, token: int, *, lease: float) -> bool:
@@ -136,6 +151,55 @@ class MemoryBackend:
     async def get(self, key: RecordKey) -> Record | None:
         with self._lock:
             return self._live(key.digest, self._clock())
+
+    def _expire(self, now: float, limit: int | None) -> int:
+        """Delete up to `limit` (None: all) records past their expiry, soonest first; returns how many."""
+        heap, records = self._expiry, self._records
+        deleted = 0
+        while heap and heap[0][0] <= now and (limit is None or deleted < limit):
+            _, digest = heapq.heappop(heap)
+            rec = records.get(digest)
+            if rec is not None and rec.expires_at <= now:
+                self._drop(digest)
+                deleted += 1
+        return deleted
+
+    async def stale(
+        self, older_than: float = 0.0, limit: int = 1000, *, namespace: str | None = None
+    ) -> list[StaleRecord]:
+        """In-progress records whose lease ended more than `older_than` seconds ago, oldest first.
+
+        A full pass over the records (under the lock): fine for the sizes this store is for.
+        """
+        with self._lock:
+            now = self._clock()
+            cutoff = now - older_than
+            found = [
+                StaleRecord(self._keys[digest], rec)
+                for digest, rec in self._records.items()
+                if rec.state == IN_PROGRESS
+                and rec.lease_until <= cutoff
+                and rec.expires_at > now
+                and (namespace is None or self._keys[digest].namespace == namespace)
+            ]
+        return heapq.nsmallest(limit, found, key=lambda s: s.record.lease_until)
+
+    async def purge(self, batch_size: int = 1000) -> int:
+        """Delete expired records, `batch_size` at a time (yielding to the event loop between batches).
+
+        Expired records are already invisible and are evicted as new keys arrive; this only frees
+        their memory sooner.
+        """
+        if batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        total = 0
+        while True:
+            with self._lock:
+                deleted = self._expire(self._clock(), batch_size)
+            total += deleted
+            if deleted < batch_size:
+                return total
+            await asyncio.sleep(0)
 
     async def aclose(self) -> None:
         """Nothing to close; kept for the protocol."""

@@ -25,6 +25,7 @@ import msgspec
 
 from ..errors import BackendError, BackendUnavailable, ConfigurationError
 from ..records import COMPLETED, IN_PROGRESS, Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
+from ..records import StaleRecord as StaleRecord  # re-exported: it was defined here before records.py
 
 try:
     import asyncpg
@@ -82,15 +83,6 @@ def _index_name(table: str, suffix: str) -> str:
     if len(name) > 63:
         name = f"{table[:40]}_{hashlib.sha256(table.encode()).hexdigest()[:8]}_{suffix}"
     return f'"{name}"'
-
-
-class StaleRecord(msgspec.Struct, frozen=True, gc=False):
-    """An in-progress record whose lease ended: its holder stopped and nobody resolved it yet."""
-
-    key: RecordKey
-    record: Record
-    effect_committed: bool = False
-    """The holder's `transaction()` committed: the effect happened once, only the answer was lost."""
 
 
 class ClaimLost(BackendError):
@@ -201,6 +193,7 @@ DELETE FROM {t} WHERE ctid = ANY(ARRAY(
         self._sql_stale = f"""
 SELECT false, {_COLUMNS}, namespace, scope, key FROM {t}
 WHERE state <> 'c' AND lease_until <= now() - $1::float8 * interval '1 second' AND expires_at > now()
+  AND ($3::text IS NULL OR namespace = $3)
 ORDER BY lease_until LIMIT $2"""
 
     @classmethod
@@ -428,15 +421,18 @@ ORDER BY lease_until LIMIT $2"""
                 break
         return total
 
-    async def stale(self, older_than: float = 0.0, *, limit: int = 1000) -> list[StaleRecord]:
+    async def stale(
+        self, older_than: float = 0.0, limit: int = 1000, *, namespace: str | None = None
+    ) -> list[StaleRecord]:
         """In-progress records whose lease ended more than `older_than` seconds ago (store clock).
 
         Their holder stopped between claim and completion, so their outcome is unknown: the list
         is for a reconcile job that asks the source of truth, then completes or releases them.
-        Oldest first, at most `limit`; records past their TTL are not listed.
+        Oldest first, at most `limit`; records past their TTL are not listed; `namespace` keeps
+        only that namespace's records.
         """
         pool = await self._get_pool()
-        rows = await self._run(pool, "fetch", self._sql_stale, float(older_than), limit)
+        rows = await self._run(pool, "fetch", self._sql_stale, float(older_than), limit, namespace)
         return [StaleRecord(RecordKey.build(row[11], row[12], row[13]), _record(row), row[1] == b"e") for row in rows]
 
     @contextlib.asynccontextmanager

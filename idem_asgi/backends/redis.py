@@ -3,7 +3,10 @@
 Layout: one hash per record at `{prefix}{<digest>}` (the digest is the hash tag, so a record
 never spans Redis Cluster slots and client characters never reach the key). Fields:
 `s` state (`p` in progress, `c` completed), `f` fingerprint, `t` fencing token, `l` lease
-deadline and `e` expiry (ms, Redis clock), `r` the msgpack-encoded response. The key's own
+deadline and `e` expiry (ms, Redis clock), `r` the msgpack-encoded response, and `n`, `o`,
+`k` the record's namespace, scope and key (UTF-8; written at claim and takeover, read only by
+`stale()`, so the ops tools can name a stuck claim; a record written by an idem_asgi version
+without these fields is listed with namespace, scope and key "?"). The key's own
 expiry is the route TTL, so an in-progress record whose holder died stays visible (and
 blocks) after its lease ends, until recovery or the TTL resolves it.
 
@@ -24,7 +27,9 @@ import asyncio
 import contextlib
 import logging
 import random
+import re
 import time
+from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Any, Final
 
@@ -37,6 +42,7 @@ from ..records import (
     Existing,
     Record,
     RecordKey,
+    StaleRecord,
     StoredResponse,
     decode_response,
     encode_response,
@@ -57,7 +63,8 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# KEYS[1]; ARGV: fingerprint, token, lease_ms, ttl_ms
+# KEYS[1]; ARGV: fingerprint, token, lease_ms, ttl_ms, namespace, scope, key (the last three optional:
+# only `stale()` reads them)
 CLAIM: Final = (
     _NOW
     + """
@@ -67,13 +74,14 @@ if cur[1] and cur[3] ~= ARGV[2] then
 end
 if not cur[1] then
   redis.call('HSET', KEYS[1], 's', 'p', 'f', ARGV[1], 't', ARGV[2], 'l', now + ARGV[3], 'e', now + ARGV[4])
+  if ARGV[7] then redis.call('HSET', KEYS[1], 'n', ARGV[5], 'o', ARGV[6], 'k', ARGV[7]) end
   redis.call('PEXPIRE', KEYS[1], ARGV[4])
 end
 return {1, now}
 """
 )
 
-# KEYS[1]; ARGV: stale token, fingerprint, new token, lease_ms, ttl_ms
+# KEYS[1]; ARGV: stale token, fingerprint, new token, lease_ms, ttl_ms, namespace, scope, key
 TAKEOVER: Final = (
     _NOW
     + """
@@ -84,6 +92,7 @@ if cur[1] and not (cur[1] == 'p' and cur[3] == ARGV[1] and tonumber(cur[4]) <= n
 end
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 's', 'p', 'f', ARGV[2], 't', ARGV[3], 'l', now + ARGV[4], 'e', now + ARGV[5])
+if ARGV[8] then redis.call('HSET', KEYS[1], 'n', ARGV[6], 'o', ARGV[7], 'k', ARGV[8]) end
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
 return {1, now}
 """
@@ -143,6 +152,9 @@ return {1, now, cur[1], cur[2], cur[3], cur[4], cur[5], cur[6]}
 )
 
 
+_STALE_FIELDS: Final = ("s", "f", "t", "l", "e", "n", "o", "k")
+_DIGEST: Final = re.compile(rb"[0-9a-f]{64}")
+
 _MAX_ORPHANS: Final = 10_000
 _ORPHAN_BATCH: Final = 100
 
@@ -161,6 +173,22 @@ _UNAVAILABLE: Final = (
 
 def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
+
+
+def _names(key: RecordKey) -> tuple[bytes, bytes, bytes]:
+    return _utf8(key.namespace), _utf8(key.scope), _utf8(key.key)
+
+
+def _utf8(text: str) -> bytes:
+    return text.encode("utf-8", "surrogateescape")
+
+
+def _text(raw: bytes | None) -> str:
+    return "?" if raw is None else raw.decode("utf-8", "surrogateescape")
+
+
+def _glob_escape(text: str) -> str:
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
 def _record(reply: list[Any]) -> Record:
@@ -211,7 +239,8 @@ class RedisBackend:
         # redis-py's RedisCluster builds its slot map on first use and then recycles every
         # connection; a burst arriving during that start-up sees "Connection closed by server".
         # So the first call initialises the client alone, and the others wait for it.
-        self._starting = hasattr(client, "nodes_manager")
+        self._cluster = hasattr(client, "nodes_manager")
+        self._starting = self._cluster
         self._start_lock = asyncio.Lock()
         # Registered once: each call is one EVALSHA; after a SCRIPT FLUSH or on a new node,
         # redis-py reloads the script on NOSCRIPT and retries.
@@ -316,7 +345,7 @@ class RedisBackend:
         token = random.getrandbits(62) + 1
         name = self._key(key)
         try:
-            reply = await self._call(self._claim, name, fingerprint, token, _ms(lease), _ms(ttl))
+            reply = await self._call(self._claim, name, fingerprint, token, _ms(lease), _ms(ttl), *_names(key))
         except BaseException:
             # No answer, so the caller will not run the app; the claim may still land.
             self._orphan(name, token, ttl)
@@ -332,7 +361,9 @@ class RedisBackend:
         # (recover hook), and deleting it would let a retry run the operation again. It
         # expires into outcome-unknown, and recovery is asked again.
         token = random.getrandbits(62) + 1
-        reply = await self._call(self._takeover, self._key(key), stale_token, fingerprint, token, _ms(lease), _ms(ttl))
+        reply = await self._call(
+            self._takeover, self._key(key), stale_token, fingerprint, token, _ms(lease), _ms(ttl), *_names(key)
+        )
         if reply[0] == 1:
             return Claimed(token)
         return Existing(_record(reply), reply[1] / 1000)
@@ -349,6 +380,111 @@ class RedisBackend:
     async def get(self, key: RecordKey) -> Record | None:
         reply = await self._call(self._read, self._key(key))
         return _record(reply) if reply[0] == 1 else None
+
+    # -- ops tools: stale claims and purge --------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _tool_call(self) -> AsyncIterator[None]:
+        """One `max_concurrency` slot and the same error mapping as `_call`, for multi-command tools."""
+        slots = self._slots
+        try:
+            if self._starting:
+                await self._start()
+            if slots is not None:
+                try:
+                    await asyncio.wait_for(slots.acquire(), self.timeout)
+                except TimeoutError:
+                    raise BackendUnavailable(f"redis: no free connection within {self.timeout}s") from None
+            try:
+                yield
+            finally:
+                if slots is not None:
+                    slots.release()
+        except _UNAVAILABLE as exc:
+            raise BackendUnavailable(f"redis unavailable: {type(exc).__name__}: {exc}") from exc
+        except redis_errors.RedisError as exc:
+            raise BackendError(f"redis error: {type(exc).__name__}: {exc}") from exc
+
+    async def stale(
+        self, older_than: float = 0.0, limit: int = 1000, *, namespace: str | None = None, scan_count: int = 500
+    ) -> list[StaleRecord]:
+        """In-progress records whose lease ended more than `older_than` seconds ago (by Redis's clock).
+
+        Walks the keys under `prefix` with `SCAN ... COUNT scan_count TYPE hash` (on every primary
+        of a cluster), and reads each batch with one pipelined round trip (`TIME` and one `HMGET`
+        per key). Never blocks Redis for long, so it is safe while serving; it costs one pass over
+        the keyspace, so run it every few minutes, not per request. Stops once `limit` records are
+        found: those are in scan order, not the oldest of all (sorted by lease end among
+        themselves). Records written before namespace, scope and key were stored are listed with
+        "?" for each (and never match a `namespace` filter).
+        """
+        if limit < 1:
+            return []
+        if scan_count < 1:
+            raise ValueError("scan_count must be at least 1")
+        pattern = _glob_escape(self.prefix) + "{*}"
+        skip = len(_utf8(self.prefix)) + 1
+        found: list[StaleRecord] = []
+        async with self._tool_call():
+            nodes: list[Any] = list(self.client.get_primaries()) if self._cluster else [None]
+            for node in nodes:
+                cursor: Any = 0
+                while len(found) < limit:
+                    if node is None:
+                        cursor, names = await self.client.scan(cursor, match=pattern, count=scan_count, _type="hash")
+                    else:
+                        cursor, names = await self.client.scan(
+                            cursor, match=pattern, count=scan_count, _type="hash", target_nodes=node
+                        )
+                        if isinstance(cursor, dict):
+                            cursor = cursor[node.name]
+                    names = [n for n in names if _DIGEST.fullmatch(n, skip, len(n) - 1)]
+                    if names:
+                        found += await self._stale_batch(node, names, skip, older_than, namespace)
+                    if int(cursor) == 0:
+                        break
+        found.sort(key=lambda s: s.record.lease_until)
+        return found[:limit]
+
+    async def _stale_batch(
+        self, node: Any, names: list[bytes], skip: int, older_than: float, namespace: str | None
+    ) -> list[StaleRecord]:
+        pipe = self.client.pipeline(transaction=False) if node is None else self.client.pipeline()
+        async with pipe:
+            if node is None:
+                pipe.time()
+            else:
+                pipe.execute_command("TIME", target_nodes=node)
+            for name in names:
+                pipe.hmget(name, *_STALE_FIELDS)
+            replies = await pipe.execute()
+        seconds, micros = replies[0]
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        cutoff_ms = now_ms - older_than * 1000
+        found = []
+        for name, (state, fingerprint, token, lease_until, expires_at, ns, scope, key) in zip(
+            names, replies[1:], strict=True
+        ):
+            if state != b"p" or token is None or lease_until is None or expires_at is None:
+                continue
+            if int(lease_until) > cutoff_ms or int(expires_at) <= now_ms:
+                continue
+            if namespace is not None and (ns is None or _text(ns) != namespace):
+                continue
+            digest = name[skip:-1].decode("ascii")
+            rkey = RecordKey(_text(ns), _text(scope), _text(key), digest)
+            record = Record(IN_PROGRESS, fingerprint, int(token), int(lease_until) / 1000, int(expires_at) / 1000)
+            found.append(StaleRecord(rkey, record))
+        return found
+
+    async def purge(self, batch_size: int = 1000) -> int:
+        """Nothing to do: every record key carries its TTL (`PEXPIRE`), so Redis deletes it itself.
+
+        Returns 0. Kept so that one purge job works with every store.
+        """
+        if batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        return 0
 
     # -- claims whose reply was lost -------------------------------------------------------
 

@@ -1,0 +1,492 @@
+"""`idem-asgi`: look at idempotency records, resolve stuck claims, purge, and apply the Postgres schema.
+
+    idem-asgi --backend redis://localhost:6379/0 inspect pay-7f3a --scope tenant-42
+    idem-asgi stale --older-than 300                        # backend from $IDEM_BACKEND_URL
+    idem-asgi reconcile --hook shop.ops:resolve --dry-run
+    idem-asgi purge --batch-size 5000
+    idem-asgi --backend postgresql://app@db/shop migrate --print
+
+Every command takes `--json` (one JSON document on stdout). Errors are one line on stderr.
+
+Exit codes: 0 done; 1 `inspect` found no record, or `reconcile` counted errors; 2 usage or
+configuration (bad URL scheme, hook not found, `migrate` on a store without a schema);
+3 the store could not be reached; 4 the store answered with an error (a missing table, say).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+from .backends._protocol import Backend
+from .backends.memory import MemoryBackend
+from .errors import BackendError, BackendUnavailable, ConfigurationError
+from .reconcile import ReconcilableBackend, ReconcileReport, Resolver, reconcile
+from .records import Record, RecordKey, StaleRecord, StoredResponse
+
+__all__ = ["main", "run"]
+
+ENV_URL = "IDEM_BACKEND_URL"
+PROG = "idem-asgi"
+
+_REDIS = ("redis", "rediss", "unix")
+_POSTGRES = ("postgres", "postgresql")
+
+
+class CliError(Exception):
+    """A failure reported as one line on stderr with its exit code."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# --- arguments -------------------------------------------------------------------------------
+
+
+def _common(parser: argparse.ArgumentParser, *, top: bool) -> None:
+    """Options accepted before and after the subcommand (`idem-asgi --json stale` = `idem-asgi stale --json`)."""
+
+    def default(value: Any) -> Any:
+        return value if top else argparse.SUPPRESS
+
+    parser.add_argument(
+        "--backend",
+        metavar="URL",
+        default=default(None),
+        help=f"memory://, redis://, rediss://, unix:// or postgresql:// (default: ${ENV_URL})",
+    )
+    parser.add_argument("--json", action="store_true", default=default(False), help="print one JSON document")
+    parser.add_argument("--prefix", default=default("idem:"), help="Redis key prefix (default: idem:)")
+    parser.add_argument("--table", default=default("idem_records"), help="Postgres table (default: idem_records)")
+    parser.add_argument("--cluster", action="store_true", default=default(False), help="the Redis URL is a cluster")
+    parser.add_argument("--timeout", type=float, default=default(5.0), help="seconds per store call (default: 5)")
+    parser.add_argument("-v", "--verbose", action="store_true", default=default(False), help="log every step")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Inspect idempotency records, resolve stuck claims, purge expired records, apply the schema.",
+        epilog="exit codes: 0 done, 1 not found / reconcile errors, 2 usage or configuration, "
+        "3 store unreachable, 4 store error",
+    )
+    _common(parser, top=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("inspect", help="print one record")
+    _common(p, top=False)
+    p.add_argument("key", help="the Idempotency-Key value")
+    p.add_argument("--namespace", default="idem", help="the middleware's namespace (default: idem)")
+    p.add_argument("--scope", default=None, help="whose key it is (tenant, user; default: unscoped)")
+
+    p = sub.add_parser("stale", help="list claims whose holder stopped (lease over, never completed)")
+    _common(p, top=False)
+    p.add_argument("--older-than", type=float, default=60.0, metavar="SECONDS", help="lease ended this long ago (60)")
+    p.add_argument("--limit", type=int, default=1000, help="at most this many (1000)")
+    p.add_argument("--namespace", default=None, help="only this namespace (default: all)")
+
+    p = sub.add_parser("reconcile", help="resolve stale claims with a hook that asks the source of truth")
+    _common(p, top=False)
+    p.add_argument("--hook", required=True, metavar="MODULE:FUNC", help="resolve(stale_record), sync or async")
+    p.add_argument("--older-than", type=float, default=60.0, metavar="SECONDS", help="lease ended this long ago (60)")
+    p.add_argument("--limit", type=int, default=1000, help="claims examined in this run (1000)")
+    p.add_argument("--namespace", default=None, help="only this namespace (default: all)")
+    p.add_argument("--ttl", type=float, default=86_400.0, help="keep a resolved answer this long, seconds (86400)")
+    p.add_argument("--lease", type=float, default=30.0, help="lease held while writing an outcome, seconds (30)")
+    p.add_argument("--concurrency", type=int, default=1, help="claims resolved at once (1)")
+    p.add_argument("--dry-run", action="store_true", help="ask the hook, write nothing")
+
+    p = sub.add_parser("purge", help="delete expired records (Redis expires them by itself)")
+    _common(p, top=False)
+    p.add_argument("--batch-size", type=int, default=1000, help="records per statement (1000)")
+
+    p = sub.add_parser("migrate", help="create the Postgres table and indexes, or print their DDL")
+    _common(p, top=False)
+    p.add_argument("--print", dest="print_ddl", action="store_true", help="print the DDL instead of applying it")
+    return parser
+
+
+# --- entry points ----------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (the console script exits with it)."""
+    try:
+        return asyncio.run(run(argv))
+    except KeyboardInterrupt:
+        return 130
+
+
+async def run(argv: Sequence[str] | None = None) -> int:
+    """`main` for a caller already inside an event loop."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error argparse already printed
+        return exc.code if isinstance(exc.code, int) else 2
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_OneLine(verbose=args.verbose))
+    handler.setLevel(logging.INFO if args.verbose else logging.WARNING)
+    log = logging.getLogger("idem_asgi")
+    level = log.level
+    log.addHandler(handler)
+    if args.verbose:
+        log.setLevel(logging.INFO)
+    try:
+        return await _COMMANDS[args.command](args)
+    except CliError as exc:
+        return _fail(str(exc), exc.code)
+    except ConfigurationError as exc:
+        return _fail(str(exc), 2)
+    except BackendUnavailable as exc:
+        return _fail(f"store unreachable: {exc}", 3)
+    except BackendError as exc:
+        return _fail(f"store error: {exc}", 4)
+    except (OSError, asyncio.TimeoutError) as exc:
+        return _fail(f"store unreachable: {type(exc).__name__}: {exc}", 3)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+    return code
+
+
+class _OneLine(logging.Formatter):
+    """`idem-asgi: message`; the traceback only with --verbose."""
+
+    def __init__(self, *, verbose: bool) -> None:
+        super().__init__(f"{PROG}: %(message)s")
+        self.verbose = verbose
+
+    def format(self, record: logging.LogRecord) -> str:
+        if not self.verbose and record.exc_info:
+            record = logging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None})
+        return super().format(record)
+
+
+# --- the store -------------------------------------------------------------------------------
+
+
+def _url(args: argparse.Namespace) -> str:
+    url: str | None = args.backend or os.environ.get(ENV_URL)
+    if not url:
+        raise CliError(f"no backend: pass --backend URL or set {ENV_URL}", 2)
+    return url
+
+
+def _scheme(url: str) -> str:
+    scheme, sep, _ = url.partition("://")
+    scheme = scheme.lower() if sep else ""
+    if scheme not in ("memory", *_REDIS, *_POSTGRES):
+        shown = repr(scheme) if scheme else "none"
+        raise CliError(
+            f"unknown backend URL scheme {shown}; use memory://, redis://, rediss://, unix:// or postgresql://", 2
+        )
+    return scheme
+
+
+@contextlib.asynccontextmanager
+async def _open(args: argparse.Namespace) -> AsyncIterator[Any]:
+    """The backend named by the URL, closed (with whatever it opened) on the way out.
+
+    A Postgres backend gets a small pool made here, so that no command but `migrate` creates
+    the table as a side effect.
+    """
+    url = _url(args)
+    scheme = _scheme(url)
+    if scheme == "memory":
+        yield MemoryBackend()
+        return
+    if scheme in _REDIS:
+        try:
+            from .backends.redis import RedisBackend
+        except ImportError as exc:
+            raise CliError(str(exc), 2) from None
+        try:
+            backend = RedisBackend.from_url(
+                url, prefix=args.prefix, timeout=args.timeout, cluster=args.cluster, max_connections=8
+            )
+        except (ValueError, TypeError) as exc:
+            raise CliError(f"invalid backend URL: {exc}", 2) from None
+        async with backend:
+            yield backend
+        return
+    try:
+        import asyncpg
+
+        from .backends.postgres import PostgresBackend
+    except ImportError as exc:
+        raise CliError(str(exc), 2) from None
+    try:
+        pool = await asyncpg.create_pool(
+            url,
+            min_size=1,
+            max_size=2,
+            timeout=args.timeout,
+            server_settings={"default_transaction_isolation": "read committed", "application_name": PROG},
+        )
+    except (ValueError, asyncpg.ClientConfigurationError) as exc:
+        raise CliError(f"invalid backend URL: {exc}", 2) from None
+    except (OSError, asyncio.TimeoutError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError) as exc:
+        raise CliError(f"store unreachable: postgres: {type(exc).__name__}: {exc}", 3) from None
+    except asyncpg.PostgresError as exc:
+        raise CliError(f"store error: postgres: {type(exc).__name__}: {exc}", 4) from None
+    try:
+        async with PostgresBackend(pool, table=args.table, timeout=args.timeout) as pg:
+            yield pg
+    finally:
+        await pool.close()
+
+
+def _maintained(backend: Backend) -> ReconcilableBackend:
+    if not callable(getattr(backend, "stale", None)) or not callable(getattr(backend, "purge", None)):
+        raise CliError(f"{type(backend).__name__} has no stale()/purge()", 2)
+    return backend  # type: ignore[return-value]
+
+
+# --- output ----------------------------------------------------------------------------------
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _text(raw: bytes) -> str:
+    return raw.decode("latin-1")
+
+
+def _response_doc(response: StoredResponse) -> dict[str, Any]:
+    return {
+        "status": response.status,
+        "headers": [[_text(n), _text(v)] for n, v in response.headers],
+        "body_size": len(response.body),
+        "replayable": response.replayable,
+    }
+
+
+def _key_doc(key: RecordKey) -> dict[str, Any]:
+    return {"namespace": key.namespace, "scope": key.scope, "key": key.key, "digest": key.digest}
+
+
+def _record_doc(key: RecordKey, record: Record) -> dict[str, Any]:
+    return {
+        **_key_doc(key),
+        "found": True,
+        "state": record.state,
+        "token": record.token,
+        "fingerprint": record.fingerprint.hex(),
+        "lease_until": _iso(record.lease_until),
+        "expires_at": _iso(record.expires_at),
+        "response": None if record.response is None else _response_doc(record.response),
+    }
+
+
+def _stale_doc(s: StaleRecord) -> dict[str, Any]:
+    return {
+        **_key_doc(s.key),
+        "token": s.record.token,
+        "fingerprint": s.record.fingerprint.hex(),
+        "lease_until": _iso(s.record.lease_until),
+        "expires_at": _iso(s.record.expires_at),
+        "effect_committed": s.effect_committed,
+    }
+
+
+def _label(namespace: str, scope: str, key: str) -> str:
+    return f"{namespace} / {scope or '-'} / {key}"
+
+
+def _emit(args: argparse.Namespace, doc: Any, lines: Callable[[], list[str]]) -> None:
+    if args.json:
+        print(json.dumps(doc, indent=2, ensure_ascii=False))
+    else:
+        for line in lines():
+            print(line)
+
+
+# --- commands --------------------------------------------------------------------------------
+
+
+async def _inspect(args: argparse.Namespace) -> int:
+    key = RecordKey.build(args.namespace, args.scope, args.key)
+    async with _open(args) as backend:
+        record = await backend.get(key)
+    if record is None:
+        missing = f"no record for {_label(key.namespace, key.scope, key.key)}"
+        _emit(args, {**_key_doc(key), "found": False}, lambda: [missing])
+        return 1
+
+    def lines() -> list[str]:
+        assert record is not None
+        out = [
+            f"record    {_label(key.namespace, key.scope, key.key)}",
+            f"digest    {key.digest}",
+            f"state     {record.state}",
+            f"token     {record.token}",
+        ]
+        if record.state == "in_progress":
+            over = "over: the holder stopped, outcome unknown" if record.lease_until <= time.time() else "running"
+            out.append(f"lease     until {_iso(record.lease_until)} ({over}, by this machine's clock)")
+        out.append(f"expires   {_iso(record.expires_at)}")
+        if record.response is not None:
+            r = record.response
+            note = "replayable" if r.replayable else "not replayable (too large to store)"
+            out.append(f"response  {r.status}, {len(r.headers)} headers, {len(r.body)} bytes, {note}")
+            out.extend(f"  {_text(n)}: {_text(v)}" for n, v in r.headers)
+        return out
+
+    _emit(args, _record_doc(key, record), lines)
+    return 0
+
+
+async def _stale(args: argparse.Namespace) -> int:
+    if args.limit < 1:
+        raise CliError("--limit must be at least 1", 2)
+    async with _open(args) as backend:
+        found = await _maintained(backend).stale(args.older_than, args.limit, namespace=args.namespace)
+
+    def lines() -> list[str]:
+        out = [
+            f"{_iso(s.record.lease_until)}  {_label(s.key.namespace, s.key.scope, s.key.key)}  token {s.record.token}"
+            + ("  effect committed" if s.effect_committed else "")
+            for s in found
+        ]
+        out.append(f"{len(found)} stale claim(s) whose lease ended more than {args.older_than:g} s ago")
+        return out
+
+    _emit(args, [_stale_doc(s) for s in found], lines)
+    return 0
+
+
+def _load_hook(spec: str) -> Resolver:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise CliError(f"--hook must be MODULE:FUNCTION, got {spec!r}", 2)
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)  # as `python -m` does: hooks in the current project are found
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise CliError(f"hook module {module_name!r} not found", 2) from None
+        raise CliError(f"importing hook module {module_name!r} failed: {exc}", 2) from None
+    except Exception as exc:
+        raise CliError(f"importing hook module {module_name!r} failed: {type(exc).__name__}: {exc}", 2) from None
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise CliError(f"hook module {module_name!r} has no {attr!r}", 2) from None
+    if not callable(obj):
+        raise CliError(f"hook {spec!r} is not callable", 2)
+    resolver: Resolver = obj
+    return resolver
+
+
+async def _reconcile(args: argparse.Namespace) -> int:
+    resolve = _load_hook(args.hook)
+    if args.limit < 1 or args.concurrency < 1:
+        raise CliError("--limit and --concurrency must be at least 1", 2)
+    async with _open(args) as backend:
+        report = await reconcile(
+            _maintained(backend),
+            resolve,
+            older_than=args.older_than,
+            limit=args.limit,
+            ttl=args.ttl,
+            lease=args.lease,
+            namespace=args.namespace,
+            dry_run=args.dry_run,
+            concurrency=args.concurrency,
+        )
+    _emit(args, _report_doc(report), lambda: _report_lines(report))
+    return 1 if report.errors else 0
+
+
+def _report_doc(report: ReconcileReport) -> dict[str, Any]:
+    return {
+        "examined": report.examined,
+        "completed": report.completed,
+        "released": report.released,
+        "unresolved": report.unresolved,
+        "skipped": report.skipped,
+        "errors": report.errors,
+        "dry_run": report.dry_run,
+        "items": [
+            {
+                "namespace": i.namespace,
+                "scope": i.scope,
+                "key": i.key,
+                "token": i.token,
+                "lease_until": _iso(i.lease_until),
+                "action": i.action,
+                "detail": i.detail,
+            }
+            for i in report.items
+        ],
+    }
+
+
+def _report_lines(report: ReconcileReport) -> list[str]:
+    out = [f"{i.action:<10}  {_label(i.namespace, i.scope, i.key)}  {i.detail}" for i in report.items]
+    r = report
+    out.append(
+        f"examined {r.examined}: completed {r.completed}, released {r.released}, unresolved {r.unresolved}, "
+        f"skipped {r.skipped}, errors {r.errors}" + (" (dry run: nothing written)" if r.dry_run else "")
+    )
+    return out
+
+
+async def _purge(args: argparse.Namespace) -> int:
+    if args.batch_size < 1:
+        raise CliError("--batch-size must be at least 1", 2)
+    async with _open(args) as backend:
+        deleted = await _maintained(backend).purge(args.batch_size)
+    redis = _scheme(_url(args)) in _REDIS
+    note = " (Redis deletes expired records by itself)" if redis else ""
+    _emit(args, {"deleted": deleted}, lambda: [f"purged {deleted} expired record(s){note}"])
+    return 0
+
+
+async def _migrate(args: argparse.Namespace) -> int:
+    url: str | None = args.backend or os.environ.get(ENV_URL)
+    if url is None and not args.print_ddl:
+        raise CliError(f"no backend: pass --backend URL or set {ENV_URL}", 2)
+    if url is not None and _scheme(url) not in _POSTGRES:
+        raise CliError("migrate is for postgresql:// backends; memory and Redis need no schema", 2)
+    try:
+        from .backends.postgres import PostgresBackend
+    except ImportError as exc:
+        raise CliError(str(exc), 2) from None
+    if args.print_ddl:
+        ddl = PostgresBackend(table=args.table).ddl
+        _emit(args, {"table": args.table, "ddl": ddl}, lambda: [ddl.rstrip("\n")])
+        return 0
+    async with _open(args) as backend:
+        await backend.setup()
+    _emit(args, {"table": args.table, "applied": True}, lambda: [f"schema ready: table {args.table}"])
+    return 0
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace], Awaitable[int]]] = {
+    "inspect": _inspect,
+    "stale": _stale,
+    "reconcile": _reconcile,
+    "purge": _purge,
+    "migrate": _migrate,
+}

@@ -1,0 +1,229 @@
+"""Resolve stuck claims from outside the request path: the reconcile runner behind `idem-asgi reconcile`.
+
+A claim whose holder died between claim and completion stays in progress: retries get
+`outcome-unknown` until somebody finds out what happened. `reconcile()` lists such claims
+(`stale()`, by the store's clock) and asks `resolve` about each, with the same contract as the
+middleware's `recover` hook, only without a request waiting:
+
+- a `StoredResponse`: the operation happened (the provider has it under the same key); store
+  this answer, and every retry replays it from now on;
+- `"release"`: the operation never happened (the provider does not know the key); delete the
+  claim, so the client's next retry runs it;
+- `None`: still unknown; leave the claim alone (retries keep getting `outcome-unknown`).
+
+Every write is fenced by the token the listing read, and goes through `takeover`, which the
+store grants only while that token still holds and its lease is still over (store clock). A
+claim completed, released, renewed or taken over by anyone between the listing and the write
+is left alone and counted as skipped. So it is safe to run from cron while serving, and twice
+at once.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Literal, Protocol, TypeAlias
+
+import anyio
+import msgspec
+
+from .backends._protocol import Backend, Maintenance
+from .errors import ConfigurationError
+from .records import IN_PROGRESS, Claimed, Record, RecordKey, StaleRecord, StoredResponse
+
+__all__ = [
+    "ReconcilableBackend",
+    "ReconcileItem",
+    "ReconcileReport",
+    "Resolution",
+    "Resolver",
+    "reconcile",
+    "resolver_from_recover",
+]
+
+logger = logging.getLogger("idem_asgi.reconcile")
+
+Resolution: TypeAlias = StoredResponse | Literal["release"] | None
+"""What a resolver answers: the stored answer, `"release"` (never happened), or None (unknown)."""
+
+Resolver: TypeAlias = Callable[[StaleRecord], Awaitable[Resolution] | Resolution]
+"""`resolve(stale_record)`, sync or async."""
+
+Action = Literal["completed", "released", "unresolved", "skipped", "error"]
+
+
+class ReconcilableBackend(Backend, Maintenance, Protocol):
+    """A store with the ops half (`stale`, `purge`): every built-in backend."""
+
+
+class ReconcileItem(msgspec.Struct, frozen=True):
+    """What happened to one stale claim (or, in a dry run, what would have)."""
+
+    namespace: str
+    scope: str
+    key: str
+    token: int
+    lease_until: float
+    action: Action
+    detail: str = ""
+
+
+class ReconcileReport(msgspec.Struct):
+    """Counts for one run; `completed + released + unresolved + skipped + errors == examined`."""
+
+    examined: int = 0
+    completed: int = 0
+    released: int = 0
+    unresolved: int = 0
+    skipped: int = 0
+    errors: int = 0
+    dry_run: bool = False
+    items: list[ReconcileItem] = msgspec.field(default_factory=list)
+
+    def count(self, item: ReconcileItem) -> None:
+        self.items.append(item)
+        if item.action == "completed":
+            self.completed += 1
+        elif item.action == "released":
+            self.released += 1
+        elif item.action == "unresolved":
+            self.unresolved += 1
+        elif item.action == "skipped":
+            self.skipped += 1
+        else:
+            self.errors += 1
+
+
+def resolver_from_recover(
+    hook: Callable[[RecordKey, Record], Awaitable[StoredResponse | Literal["run"] | None]],
+) -> Callable[[StaleRecord], Awaitable[Resolution]]:
+    """Use a middleware `recover` hook as the resolver: its `"run"` (never happened) becomes `"release"`."""
+
+    async def resolve(stale: StaleRecord) -> Resolution:
+        outcome = await hook(stale.key, stale.record)
+        return "release" if outcome == "run" else outcome
+
+    return resolve
+
+
+async def reconcile(
+    backend: ReconcilableBackend,
+    resolve: Resolver,
+    *,
+    older_than: float,
+    limit: int = 1000,
+    ttl: float = 86_400,
+    lease: float = 30,
+    namespace: str | None = None,
+    dry_run: bool = False,
+    concurrency: int = 1,
+) -> ReconcileReport:
+    """Resolve up to `limit` claims whose lease ended more than `older_than` seconds ago.
+
+    Args:
+        backend: The store (it needs `stale()`: every built-in backend has it).
+        resolve: Called once per stale claim, sync or async; see the module docstring.
+            One that raises is logged and counted in `errors`, and the run goes on.
+        older_than: Seconds since the lease ended. Give a live holder time to renew: well over
+            the route's lease (its holder renews every third of it).
+        limit: Claims examined in this run (run again for more; unresolved ones are listed again).
+        ttl: How long a resolved answer is kept for replay, from now (use the route's TTL).
+        lease: The short lease held between taking a claim over and writing its outcome.
+        namespace: Only this namespace's claims (another app's claims need another resolver).
+        dry_run: Ask `resolve` but write nothing; the counts say what would have been done.
+        concurrency: Claims resolved at once (each `resolve` may call a payment provider).
+    """
+    if concurrency < 1:
+        raise ConfigurationError(f"concurrency must be at least 1, got {concurrency!r}")
+    if not callable(getattr(backend, "stale", None)):
+        raise ConfigurationError(f"{type(backend).__name__} has no stale(): it cannot list stuck claims")
+    stale = await backend.stale(older_than, limit, namespace=namespace)
+    report = ReconcileReport(examined=len(stale), dry_run=dry_run)
+    slots = anyio.Semaphore(concurrency)
+
+    async def one(s: StaleRecord) -> None:
+        async with slots:
+            action, detail = await _resolve_one(backend, resolve, s, ttl=ttl, lease=lease, dry_run=dry_run)
+        k = s.key
+        report.count(ReconcileItem(k.namespace, k.scope, k.key, s.record.token, s.record.lease_until, action, detail))
+        log = logger.warning if action == "error" else logger.info
+        log("idem_asgi: reconcile %s key=%r scope=%r: %s %s", k.namespace, k.key, k.scope, action, detail)
+
+    async with anyio.create_task_group() as tg:
+        for s in stale:
+            tg.start_soon(one, s)
+    # Items are appended as they finish: put them back in listing order (oldest lease first).
+    report.items.sort(key=lambda item: item.lease_until)
+    return report
+
+
+async def _resolve_one(
+    backend: ReconcilableBackend, resolve: Resolver, s: StaleRecord, *, ttl: float, lease: float, dry_run: bool
+) -> tuple[Action, str]:
+    try:
+        outcome = resolve(s)
+        if inspect.isawaitable(outcome):
+            outcome = await outcome
+    except Exception as exc:
+        logger.exception("idem_asgi: reconcile resolver failed for key %r", s.key.key)
+        return "error", f"resolve raised {type(exc).__name__}: {exc}"
+    if outcome is None:
+        return "unresolved", "outcome still unknown"
+    if outcome == "release":
+        if s.effect_committed:
+            # The store recorded that the effect committed (Postgres transaction()): running it again
+            # would do it twice, whatever the resolver believes. The store would refuse anyway.
+            return "skipped", "its effect committed (transaction()); never released"
+        if dry_run:
+            return "released", "dry run: would release"
+    elif isinstance(outcome, StoredResponse):
+        if dry_run:
+            return "completed", f"dry run: would store a {outcome.status} answer"
+    else:
+        return "error", f"resolve returned {outcome!r}; expected a StoredResponse, 'release' or None"
+    try:
+        return await _apply(backend, s, outcome, ttl=ttl, lease=lease)
+    except Exception as exc:
+        logger.exception("idem_asgi: reconcile could not write the outcome for key %r", s.key.key)
+        return "error", f"store failed: {type(exc).__name__}: {exc}"
+
+
+async def _apply(
+    backend: ReconcilableBackend,
+    s: StaleRecord,
+    outcome: StoredResponse | Literal["release"],
+    *,
+    ttl: float,
+    lease: float,
+) -> tuple[Action, str]:
+    key, record = s.key, s.record
+    if s.effect_committed:
+        # Such a claim cannot be taken over (that could run the effect again), so its answer is
+        # written under the holder's own token, if the claim is still exactly as listed.
+        assert isinstance(outcome, StoredResponse)
+        current = await backend.get(key)
+        if (
+            current is None
+            or current.state != IN_PROGRESS
+            or current.token != record.token
+            or current.lease_until != record.lease_until
+        ):
+            return "skipped", "changed since it was listed"
+        if await backend.complete(key, record.token, outcome, ttl=ttl):
+            return "completed", f"stored a {outcome.status} answer"
+        return "skipped", "changed since it was listed"
+    # Taking the claim over first checks, atomically and by the store's clock, that the listed
+    # token still holds and its lease is still over, and fences the old holder out for good
+    # should it wake up. Only then is the outcome written, under the new token.
+    taken = await backend.takeover(key, record.token, record.fingerprint, lease=lease, ttl=ttl)
+    if not isinstance(taken, Claimed):
+        return "skipped", "changed since it was listed"
+    if outcome == "release":
+        if await backend.release(key, taken.token):
+            return "released", "released; the next retry runs it"
+        return "error", "taken over, but the release was refused; it will be listed again"
+    assert isinstance(outcome, StoredResponse)
+    if await backend.complete(key, taken.token, outcome, ttl=ttl):
+        return "completed", f"stored a {outcome.status} answer"
+    return "error", "taken over, but storing the answer was refused; it will be listed again"
