@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -165,6 +166,11 @@ class IdempotencyMiddleware:
                 if strict:
                     raise ConfigurationError(message)
                 logger.warning(message)
+        self._disabled = os.environ.get("IDEM_ASGI_DISABLED", "").strip().lower() in ("1", "true", "yes", "on")
+        if self._disabled:
+            # Read once, here (Starlette/FastAPI build their middleware at the first request): every
+            # request passes through unclaimed. For users' unrelated tests (`idem_disabled` fixture).
+            logger.warning("idem_asgi: IDEM_ASGI_DISABLED is set: idempotency is OFF, every request passes through")
 
     def _emit(
         self, name: EventName, route: _Route, rkey: RecordKey | None = None, status: int | None = None
@@ -199,7 +205,28 @@ class IdempotencyMiddleware:
         if route is None:
             await self.app(scope, receive, send)
             return
+        if self._disabled:
+            await self._unclaimed(route, scope, receive, send)
+            return
         await self._protect(route, scope, receive, send)
+
+    async def _unclaimed(self, route: _Route, scope: Scope, receive: Receive, send: Send) -> None:
+        """Disabled: run the app with nothing claimed, but still hand it the key, so handlers that read it work."""
+        raw = next((v for k, v in scope["headers"] if k == route.header), None)
+        try:
+            key = None if raw is None else parse_key(raw)
+        except MalformedKey:
+            key = None
+        if key is not None:
+            info = IdempotencyInfo(key=key, scope=route.scope(scope) if route.scope is not None else None)
+            scope = {**scope, "state": {**scope.get("state", {}), STATE_KEY: info}}
+            reset = _current.set(info)
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                _current.reset(reset)
+            return
+        await self.app(scope, receive, send)
 
     async def _protect(self, route: _Route, scope: Scope, receive: Receive, send: Send) -> None:
         raw: bytes | None = None

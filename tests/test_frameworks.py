@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from idem_asgi.testing import FAULTS, storm
 from tests.framework_apps import FRAMEWORKS
 
 pytestmark = pytest.mark.memory
@@ -111,6 +112,14 @@ async def test_large_chunked_body_reaches_the_handler_whole(app: App) -> None:
     second = await app.post("/payments", "big", content=payload)
     assert first.status_code == 201 and first.json()["size"] == len(payload)
     assert second.content == first.content and app.counts["payments"] == 1
+
+
+async def test_storm_plugin_finds_no_double_execution(app: App) -> None:
+    """idem_asgi.testing's storm, every fault included, against the framework's /payments."""
+    report = await storm(app.asgi, path="/payments", json={"amount": 1230}, probe=lambda: app.counts["payments"])
+    report.assert_ok()
+    assert [k.scenario for k in report.keys] == ["storm", *FAULTS]
+    assert all(n == 1 for n in report.executions.values()), report.executions
 
 
 async def _after(delay: float, coro: Any) -> Any:
