@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import random
 import re
 from collections.abc import AsyncIterator
@@ -32,6 +33,9 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("PostgresBackend needs asyncpg: pip install 'idem-asgi[postgres]'") from exc
 
+logger = logging.getLogger("idem_asgi")
+_MAX_ORPHANS: Final = 10_000
+_ORPHAN_BATCH: Final = 100
 _IDENT: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 _headers_encode = msgspec.msgpack.Encoder().encode
 _headers_decode = msgspec.msgpack.Decoder(list[tuple[bytes, bytes]]).decode
@@ -128,6 +132,8 @@ class PostgresBackend:
         self._pool_options: dict[str, Any] = {}
         self._owned = False
         self._lock = anyio.Lock()
+        self._orphans: dict[tuple[RecordKey, int], list[Any]] = {}
+        self._sweeper: asyncio.Task[None] | None = None
         self._releasing: set[asyncio.Task[Any]] = set()
         t = self.table
         # Claim-or-read in one statement that takes no lock and writes nothing unless it claims:
@@ -344,10 +350,9 @@ ORDER BY lease_until LIMIT $2"""
         return await self._run(pool, method, sql, *args, deadline=deadline), True
 
     async def _claim(
-        self, key: RecordKey, fingerprint: bytes, stale: int | None, lease: float, ttl: float
+        self, key: RecordKey, fingerprint: bytes, stale: int | None, lease: float, ttl: float, token: int
     ) -> ClaimResult:
         pool = await self._get_pool()
-        token = random.getrandbits(62) + 1
         args = (key.namespace, key.scope, key.key, fingerprint, token, lease, ttl, stale)
         for _ in range(5):
             row, _retried = await self._run_again(pool, "fetchrow", self._sql_claim, *args)
@@ -364,12 +369,21 @@ ORDER BY lease_until LIMIT $2"""
         raise BackendError("claim found neither a free key nor a record after 5 attempts")
 
     async def claim(self, key: RecordKey, fingerprint: bytes, *, lease: float, ttl: float) -> ClaimResult:
-        return await self._claim(key, fingerprint, None, lease, ttl)
+        token = random.getrandbits(62) + 1
+        try:
+            return await self._claim(key, fingerprint, None, lease, ttl, token)
+        except BaseException:
+            # No answer, so the caller answers 503 and never runs the app, yet the INSERT may have
+            # committed: without a sweep that ghost claim would block the key (409, then
+            # outcome-unknown) for a whole TTL though nothing ran.
+            self._orphan(key, token, ttl)
+            raise
 
     async def takeover(
         self, key: RecordKey, stale_token: int, fingerprint: bytes, *, lease: float, ttl: float
     ) -> ClaimResult:
-        return await self._claim(key, fingerprint, stale_token, lease, ttl)
+        # A takeover whose reply is lost is not swept: it may carry an answer the recover hook supplied.
+        return await self._claim(key, fingerprint, stale_token, lease, ttl, random.getrandbits(62) + 1)
 
     async def complete(self, key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
         pool = await self._get_pool()
@@ -493,8 +507,62 @@ ORDER BY lease_until LIMIT $2"""
         state = await self._run(pool, "fetchval", self._sql_holder, key.namespace, key.scope, key.key, record.token)
         return "run" if state == b"p" else None
 
+    # -- claims whose reply was lost -------------------------------------------------------
+
+    @property
+    def pending_orphans(self) -> int:
+        """Claims whose reply was lost and that are not yet known to be gone from the table."""
+        return len(self._orphans)
+
+    def _orphan(self, key: RecordKey, token: int, ttl: float) -> None:
+        if len(self._orphans) >= _MAX_ORPHANS:
+            logger.warning("idem_asgi: %d unanswered claims pending; not tracking more", len(self._orphans))
+            return
+        self._orphans[(key, token)] = [monotonic() + ttl, False]
+        if self._sweeper is None or self._sweeper.done():
+            with contextlib.suppress(RuntimeError):  # no running loop: nothing to sweep with
+                self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        """Delete unanswered claims, fenced by their token and state, once Postgres answers again.
+
+        An absent row is checked once more after a pause before it is forgotten, in case the
+        claim statement was still running on the server when its connection was lost.
+        """
+        delay = 0.05
+        while self._orphans:
+            await asyncio.sleep(delay)
+            now = monotonic()
+            for entry in [e for e, state in self._orphans.items() if state[0] <= now]:
+                del self._orphans[entry]
+            batch = list(self._orphans.items())[:_ORPHAN_BATCH]
+            failed = False
+            for entry, state in batch:
+                (key, token) = entry
+                try:
+                    pool = await self._get_pool()
+                    args = (key.namespace, key.scope, key.key, token)
+                    status = await self._run(pool, "execute", self._sql_release, *args)
+                except Exception:
+                    failed = True
+                    break
+                if status == "DELETE 1" or state[1]:
+                    if status == "DELETE 1":
+                        logger.info("idem_asgi: removed an unanswered claim on key %r", key.key)
+                    self._orphans.pop(entry, None)
+                else:
+                    state[1] = True  # absent: look once more next round
+            delay = min(delay * 2, 2.0) if failed else 0.5
+
     async def aclose(self) -> None:
-        """Close the pool if `from_dsn` made it (after connections still being handed back)."""
+        """Stop the sweep and close the pool if `from_dsn` made it (after connections still being handed back)."""
+        sweeper, self._sweeper = self._sweeper, None
+        if sweeper is not None and not sweeper.done():
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
+        if self._orphans:
+            logger.warning("idem_asgi: closing with %d unanswered claims not yet removed", len(self._orphans))
         if self._releasing:
             await asyncio.gather(*self._releasing, return_exceptions=True)
         if self._owned and self._pool is not None:

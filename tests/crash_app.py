@@ -1,0 +1,397 @@
+"""The app the crash matrix and the multi-worker storms run under uvicorn, and the helper that runs it.
+
+POST /pay behind `IdempotencyMiddleware`; GET /health answers `{"pid": ...}`. The handler records
+each execution in a ledger OUTSIDE the middleware (Redis INCR or a Postgres row per execution),
+sleeps, and answers 201 with a fresh uuid in two body chunks (so "mid-send" exists).
+
+A worker SIGKILLs itself (`os.kill(os.getpid(), SIGKILL)`) at the crash point named by
+`IDEM_CRASH_POINT`. Every crash point is injected from the outside of idem_asgi:
+
+| point               | where                                                                          |
+|---------------------|--------------------------------------------------------------------------------|
+| `before_claim`      | outer ASGI middleware, before IdempotencyMiddleware is called                  |
+| `after_claim`       | Backend wrapper: `claim` returned `Claimed`                                    |
+| `mid_handler`       | the handler, right after its ledger write                                      |
+| `before_store`      | Backend wrapper: start of `complete` (handler done, answer not stored)         |
+| `after_store`       | Backend wrapper: `complete` returned (answer stored, nothing sent yet)         |
+| `before_first_send` | wrapper of the server's `send`, outside the middleware: `http.response.start`  |
+|                     | is held back and the worker dies on the final body message (stored, nothing sent)|
+| `mid_send`          | same wrapper: the worker dies right after the first body chunk went out        |
+
+The worker dies once `IDEM_CRASH_AFTER` requests have reached the point (a barrier, so several
+keys die at the very same point), or `IDEM_CRASH_WAIT` seconds after the first one did.
+
+Other variables: `IDEM_CRASH_BACKEND` (store URL), `IDEM_CRASH_NAMESPACE` (middleware namespace and
+Redis key prefix), `IDEM_CRASH_TABLE` (Postgres table), `IDEM_CRASH_LEDGER` (ledger URL),
+`IDEM_CRASH_RUN` (ledger run id), `IDEM_CRASH_LEASE`, `IDEM_CRASH_TTL`, `IDEM_CRASH_DELAY`
+(handler sleep, s), `IDEM_CRASH_POOL` (connection pool size per worker, for the store and the ledger each).
+
+Importing this module has no side effect: the app is built at lifespan start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from idem_asgi import IdempotencyMiddleware, RoutePolicy
+from idem_asgi._types import ASGIApp, Message, Receive, Scope, Send
+from idem_asgi.backends import Backend
+from idem_asgi.records import Claimed, ClaimResult, Record, RecordKey, StoredResponse
+from tests.scorecard import Ledger, ledger_from_url, read_response
+from tests.servers import free_port
+
+POINTS = (
+    "before_claim",
+    "after_claim",
+    "mid_handler",
+    "before_store",
+    "after_store",
+    "before_first_send",
+    "mid_send",
+)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Crasher:
+    """Kills this process when `after` requests reached `point` (or `wait` s after the first did)."""
+
+    def __init__(self, point: str = "none", after: int = 1, wait: float = 3.0) -> None:
+        if point != "none" and point not in POINTS:
+            raise ValueError(f"unknown crash point {point!r}")
+        self.point = point
+        self.after = after
+        self.wait = wait
+        self.arrived = 0
+
+    async def reached(self, point: str) -> None:
+        if point != self.point:
+            return
+        self.arrived += 1
+        if self.arrived >= self.after:
+            self.die()
+        await asyncio.sleep(self.wait)
+        self.die()
+
+    def die(self) -> None:
+        os.write(2, f"crash_app: SIGKILL at {self.point} ({self.arrived} requests there)\n".encode())
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class CrashingBackend:
+    """Implements the Backend protocol around a real store, with crash points around claim and complete."""
+
+    def __init__(self, inner: Backend, crasher: Crasher) -> None:
+        self.inner = inner
+        self.crasher = crasher
+
+    async def setup(self) -> None:
+        setup = getattr(self.inner, "setup", None)
+        if setup is not None:
+            await setup()
+
+    async def claim(self, key: RecordKey, fingerprint: bytes, *, lease: float, ttl: float) -> ClaimResult:
+        result = await self.inner.claim(key, fingerprint, lease=lease, ttl=ttl)
+        if isinstance(result, Claimed):
+            await self.crasher.reached("after_claim")
+        return result
+
+    async def takeover(
+        self, key: RecordKey, stale_token: int, fingerprint: bytes, *, lease: float, ttl: float
+    ) -> ClaimResult:
+        return await self.inner.takeover(key, stale_token, fingerprint, lease=lease, ttl=ttl)
+
+    async def complete(self, key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
+        await self.crasher.reached("before_store")
+        stored = await self.inner.complete(key, token, response, ttl=ttl)
+        await self.crasher.reached("after_store")
+        return stored
+
+    async def release(self, key: RecordKey, token: int) -> bool:
+        return await self.inner.release(key, token)
+
+    async def extend(self, key: RecordKey, token: int, *, lease: float) -> bool:
+        return await self.inner.extend(key, token, lease=lease)
+
+    async def get(self, key: RecordKey) -> Record | None:
+        return await self.inner.get(key)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class Handler:
+    """POST /pay: ledger write, sleep, 201 with a fresh id in two chunks. GET /health: the pid."""
+
+    def __init__(self, ledger: Ledger, crasher: Crasher, delay: float) -> None:
+        self.ledger = ledger
+        self.crasher = crasher
+        self.delay = delay
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        while (await receive()).get("more_body", False):
+            pass
+        if scope["path"] != "/pay":
+            await self._answer(send, 200, json.dumps({"pid": os.getpid()}).encode())
+            return
+        key = next(v for k, v in scope["headers"] if k == b"idempotency-key").decode()
+        await self.ledger.incr(key)
+        await self.crasher.reached("mid_handler")
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        body = json.dumps({"key": key, "payment": uuid.uuid4().hex, "pid": os.getpid()}).encode()
+        await self._answer(send, 201, body)
+
+    @staticmethod
+    async def _answer(send: Send, status: int, body: bytes) -> None:
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        half = len(body) // 2
+        await send({"type": "http.response.body", "body": body[:half], "more_body": True})
+        await send({"type": "http.response.body", "body": body[half:], "more_body": False})
+
+
+class CrashGate:
+    """Outer ASGI middleware (outside IdempotencyMiddleware): crashes before the claim, or in `send`."""
+
+    def __init__(self, app: ASGIApp, crasher: Crasher) -> None:
+        self.app = app
+        self.crasher = crasher
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] == "/pay":
+            await self.crasher.reached("before_claim")
+            if self.crasher.point in ("before_first_send", "mid_send"):
+                send = self._wrap(send)
+        await self.app(scope, receive, send)
+
+    def _wrap(self, send: Send) -> Send:
+        crasher = self.crasher
+        held: list[Message] = []
+        chunks = 0
+
+        async def crashing_send(message: Message) -> None:
+            nonlocal chunks
+            if crasher.point == "before_first_send":
+                if message["type"] == "http.response.body" and not message.get("more_body", False):
+                    await crasher.reached("before_first_send")  # the store write happened just before this
+                held.append(message)  # nothing reaches the server before the crash
+                return
+            await send(message)
+            if message["type"] == "http.response.body":
+                chunks += 1
+                if chunks == 1 and message.get("more_body", False):
+                    await crasher.reached("mid_send")
+
+        return crashing_send
+
+
+def make_store(url: str, *, namespace: str, table: str, pool: int) -> Backend:
+    if url.startswith("memory://"):
+        from idem_asgi.backends import MemoryBackend
+
+        return MemoryBackend()
+    if url.startswith(("postgres://", "postgresql://")):
+        from idem_asgi.backends.postgres import PostgresBackend
+
+        return PostgresBackend.from_dsn(url, table=table, min_size=1, max_size=pool)
+    from idem_asgi.backends.redis import RedisBackend
+
+    return RedisBackend.from_url(url, prefix=f"idem-rel:{namespace}:", max_connections=pool)
+
+
+def build(
+    store: Backend,
+    ledger: Ledger,
+    *,
+    namespace: str,
+    point: str = "none",
+    after: int = 1,
+    wait: float = 3.0,
+    lease: float = 1.0,
+    ttl: float = 300.0,
+    delay: float = 0.02,
+) -> tuple[ASGIApp, CrashingBackend]:
+    """The whole stack, outermost first: CrashGate -> IdempotencyMiddleware(CrashingBackend) -> Handler."""
+    crasher = Crasher(point, after, wait)
+    backend = CrashingBackend(store, crasher)
+    protected = IdempotencyMiddleware(
+        Handler(ledger, crasher, delay),
+        backend=backend,
+        routes=[RoutePolicy("/pay", methods=["POST"], required=True, single_tenant=True, lease=lease, ttl=ttl)],
+        namespace=namespace,
+    )
+    return CrashGate(protected, crasher), backend
+
+
+class _LazyApp:
+    """The uvicorn entry point: builds everything from the environment at lifespan start-up."""
+
+    def __init__(self) -> None:
+        self.app: ASGIApp | None = None
+        self.backend: CrashingBackend | None = None
+        self.ledger: Ledger | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            assert self.app is not None, "lifespan start-up did not run"
+            await self.app(scope, receive, send)
+            return
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                env = os.environ
+                namespace = env.get("IDEM_CRASH_NAMESPACE", "crash")
+                pool = int(env.get("IDEM_CRASH_POOL", "16"))
+                store = make_store(
+                    env.get("IDEM_CRASH_BACKEND", "redis://127.0.0.1:6379/0"),
+                    namespace=namespace,
+                    table=env.get("IDEM_CRASH_TABLE", "idem_reliability_records"),
+                    pool=pool,
+                )
+                ledger_url = env.get("IDEM_CRASH_LEDGER", "redis://127.0.0.1:6379/0")
+                self.ledger = ledger_from_url(ledger_url, env["IDEM_CRASH_RUN"], pool=pool)
+                self.app, self.backend = build(
+                    store,
+                    self.ledger,
+                    namespace=namespace,
+                    point=env.get("IDEM_CRASH_POINT", "none"),
+                    after=int(env.get("IDEM_CRASH_AFTER", "1")),
+                    wait=float(env.get("IDEM_CRASH_WAIT", "3")),
+                    lease=float(env.get("IDEM_CRASH_LEASE", "1")),
+                    ttl=float(env.get("IDEM_CRASH_TTL", "300")),
+                    delay=float(env.get("IDEM_CRASH_DELAY", "0.02")),
+                )
+                await self.backend.setup()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if self.backend is not None:
+                    await self.backend.aclose()
+                if self.ledger is not None:
+                    await self.ledger.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+app = _LazyApp()
+
+
+# -- running it -----------------------------------------------------------------------------------
+
+
+class UvicornServer:
+    """`uvicorn tests.crash_app:app` on 127.0.0.1 in its own process group; always stopped by the caller."""
+
+    def __init__(self, env: dict[str, str], log: Path, *, workers: int = 1) -> None:
+        self.port = free_port()
+        self.log = log
+        self.workers = workers
+        with log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "uvicorn",
+                    "tests.crash_app:app",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    "--workers",
+                    str(workers),
+                    "--lifespan",
+                    "on",
+                    "--log-level",
+                    "warning",
+                    "--no-access-log",
+                    "--timeout-graceful-shutdown",
+                    "5",
+                ],
+                cwd=ROOT,
+                env={**env, "PYTHONPATH": str(ROOT)},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    async def health(self) -> int | None:
+        """The pid of the worker that answered GET /health on a fresh connection, or None."""
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", self.port), 2)
+        except (OSError, TimeoutError):
+            return None
+        try:
+            writer.write(b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n")
+            await writer.drain()
+            status, _, body = await asyncio.wait_for(read_response(reader), 2)
+            return int(json.loads(body)["pid"]) if status == 200 else None
+        except (OSError, TimeoutError, ValueError, KeyError, asyncio.IncompleteReadError):
+            return None
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def wait_ready(self, *, timeout: float = 30.0) -> set[int]:
+        """Until every worker answered /health (distinct pids), bounded by `timeout`."""
+        deadline = time.monotonic() + timeout
+        pids: set[int] = set()
+        for _ in range(10_000):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"uvicorn exited with {self.proc.returncode}: {self.tail()}")
+            pid = await self.health()
+            if pid is not None:
+                pids.add(pid)
+                if len(pids) >= self.workers:
+                    return pids
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.02 if pid is not None else 0.1)
+        raise RuntimeError(f"uvicorn on {self.port}: {len(pids)}/{self.workers} workers ready: {self.tail()}")
+
+    async def wait_dead(self, timeout: float) -> int | None:
+        """The return code once the process exited, or None after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:  # noqa: ASYNC110 - bounded poll
+            await asyncio.sleep(0.02)
+        return self.proc.poll()
+
+    def tail(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-3000:]
+        except OSError:
+            return ""
+
+    def _exited(self, timeout: float) -> bool:
+        """Wait up to `timeout` for the leader to exit WITHOUT reaping it (its pid keeps the group ours)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
+                    return True
+            except ChildProcessError:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """SIGTERM the group (graceful), SIGKILL what is left after 10 s; a no-op on a reaped server."""
+        if self.proc.returncode is not None:
+            return  # already reaped (a crash worker: no children)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        self._exited(10)
+        # The leader is alive or a zombie, so the group id cannot have been reused: kill what remains.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)

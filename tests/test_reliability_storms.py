@@ -1,0 +1,241 @@
+"""Retry storms with the executions counted outside the middleware (a ledger), per backend.
+
+1. One key x 1,000 concurrent requests, in process (raw ASGI, all started at once).
+2. 200 keys x 25 duplicates = 5,000 requests in a seeded random order, at most 200 in flight, in process.
+3. (Redis, Postgres) `uvicorn --workers 4` over loopback: 100 keys x 10 duplicates, each key's
+   duplicates in flight together on kept-alive connections spread over the workers, then a late
+   wave that must replay every key byte for byte on whichever worker answers.
+
+Asserted every time: every key executed exactly once (ledger), every duplicate is a 409
+`request-in-progress` or a byte-identical replay, nothing else (no 422, no 5xx, no 503).
+Each run prints one scorecard line (tests/scorecard.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.crash_app import UvicornServer, build, make_store
+from tests.scorecard import (
+    Answer,
+    HttpConnection,
+    Ledger,
+    MemoryLedger,
+    PostgresLedger,
+    RedisLedger,
+    Scorecard,
+    asgi_post,
+    assert_zero_tolerance,
+)
+from tests.servers import POSTGRES_DSN, REDIS_URL, require
+
+pytestmark = pytest.mark.slow
+
+TABLE = "idem_reliability_records"
+SEED = int(os.environ.get("IDEM_STORM_SEED", "20240601"))
+ALLOWED = {"first", "replay", "409:request-in-progress"}
+
+BACKENDS = [
+    pytest.param("memory", marks=pytest.mark.memory),
+    pytest.param("redis", marks=pytest.mark.redis),
+    pytest.param("postgres", marks=pytest.mark.postgres),
+]
+SHARED_BACKENDS = BACKENDS[1:]
+
+
+def store_url(kind: str) -> str:
+    if kind == "memory":
+        return "memory://"
+    if kind == "redis":
+        require("redis", REDIS_URL)
+        return REDIS_URL
+    require("postgres", POSTGRES_DSN)
+    return POSTGRES_DSN
+
+
+def make_ledger(kind: str, run: str) -> Ledger:
+    if kind == "memory":
+        return MemoryLedger()
+    if kind == "redis":
+        return RedisLedger(REDIS_URL, run)
+    return PostgresLedger(POSTGRES_DSN, run)
+
+
+async def cleanup_store(kind: str, namespace: str) -> None:
+    """Remove this run's records from the shared store (never anything else)."""
+    if kind == "redis":
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(REDIS_URL)
+        try:
+            names = [k async for k in client.scan_iter(match=f"idem-rel:{namespace}:*", count=1000)]
+            for i in range(0, len(names), 500):
+                await client.delete(*names[i : i + 500])
+        finally:
+            await client.aclose()
+    elif kind == "postgres":
+        import asyncpg
+
+        conn = await asyncpg.connect(POSTGRES_DSN)
+        try:
+            await conn.execute(f"DELETE FROM {TABLE} WHERE namespace = $1", namespace)
+        finally:
+            await conn.close()
+
+
+@contextlib.asynccontextmanager
+async def environment(kind: str) -> AsyncIterator[tuple[str, str, Ledger]]:
+    """(run id, namespace, ledger) with the store's table and the ledger set up; everything removed after."""
+    url = store_url(kind)
+    run = uuid.uuid4().hex[:12]
+    namespace = f"rel-{run}"
+    ledger = make_ledger(kind, run)
+    try:
+        await ledger.setup()
+        if kind == "postgres":  # create the table once, before any worker starts
+            setup_store = make_store(url, namespace=namespace, table=TABLE, pool=1)
+            try:
+                await setup_store.setup()  # type: ignore[attr-defined]
+            finally:
+                await setup_store.aclose()
+        yield run, namespace, ledger
+    finally:
+        try:
+            await ledger.cleanup()
+            await cleanup_store(kind, namespace)
+        finally:
+            await ledger.aclose()
+
+
+@contextlib.asynccontextmanager
+async def in_process(kind: str, *, delay: float) -> AsyncIterator[tuple[Any, Ledger]]:
+    async with environment(kind) as (_, namespace, ledger):
+        store = make_store(store_url(kind), namespace=namespace, table=TABLE, pool=10 if kind == "postgres" else 256)
+        app, backend = build(store, ledger, namespace=namespace, lease=30, ttl=600, delay=delay)
+        try:
+            yield app, ledger
+        finally:
+            await backend.aclose()
+
+
+def check_storm(card: Scorecard, counts: dict[str, int], duplicates: int, late: list[Answer]) -> dict[str, Any]:
+    """Score the run, then assert: once per key, duplicates are 409 in-progress or identical replays,
+    and the late wave (one more request per key once the storm is over) replays every key."""
+    card.add(*late)
+    result = card.finish(counts)
+    assert_zero_tolerance(result)
+    assert sum(counts.values()) == len(counts), {k: n for k, n in counts.items() if n != 1}
+    for key, answers in card.by_key().items():
+        outcomes = [a.outcome for a in answers]
+        assert len(answers) == duplicates + 1, (key, len(answers))
+        assert set(outcomes) <= ALLOWED, (key, sorted(set(outcomes)))
+        assert outcomes.count("first") == 1, (key, outcomes.count("first"))
+    assert all(a.outcome == "replay" for a in late), sorted({a.outcome for a in late})
+    assert result["5xx"] == 0 and result["503"] == 0 and result["422"] == 0, result
+    assert result["final"] == {"completed": len(counts)}, result["final"]
+    return result
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+async def test_one_key_1000_concurrent_requests_execute_once(kind: str) -> None:
+    async with in_process(kind, delay=0.05) as (app, ledger):
+        key = f"one-{uuid.uuid4().hex[:8]}"
+        card = Scorecard("storm_1key_x1000_inprocess", kind, seed=None, keys=1, dup_per_key=1000)
+        answers = await asyncio.wait_for(asyncio.gather(*(asgi_post(app, key) for _ in range(1000))), 60)
+        card.add(*answers)
+        late = [await asgi_post(app, key)]
+        result = check_storm(card, await ledger.counts([key]), 1000, late)
+        # The first request ran; while it ran its duplicates were refused, then they replayed.
+        assert result["409"] > 0, result
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+async def test_200_keys_x25_duplicates_in_random_order(kind: str) -> None:
+    keys_n, dups, in_flight = 200, 25, 200
+    rng = random.Random(SEED)
+    async with in_process(kind, delay=0.02) as (app, ledger):
+        run = uuid.uuid4().hex[:8]
+        keys = [f"k{run}-{i:03d}" for i in range(keys_n)]
+        order = [k for k in keys for _ in range(dups)]
+        rng.shuffle(order)
+        card = Scorecard("storm_200keys_x25_inprocess", kind, seed=SEED, keys=keys_n, dup_per_key=dups)
+        gate = asyncio.Semaphore(in_flight)
+
+        async def one(key: str) -> Answer:
+            async with gate:
+                return await asgi_post(app, key)
+
+        answers = await asyncio.wait_for(asyncio.gather(*(one(k) for k in order)), 90)
+        card.add(*answers)
+        late = await asyncio.gather(*(one(k) for k in keys))
+        check_storm(card, await ledger.counts(keys), dups, late)
+
+
+async def drive_http(port: int, order: list[str], connections: int, *, timeout: float = 60) -> list[Answer]:
+    """`connections` kept-alive connections pull the next key from `order` as soon as their answer is in."""
+    queue: asyncio.Queue[str] = asyncio.Queue()
+    for key in order:
+        queue.put_nowait(key)
+    answers: list[Answer] = []
+
+    async def worker() -> None:
+        conn = HttpConnection(port)
+        try:
+            while not queue.empty():
+                answers.append(await conn.post(queue.get_nowait()))
+        finally:
+            await conn.close()
+
+    await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(connections))), timeout)
+    return answers
+
+
+@pytest.mark.parametrize("kind", SHARED_BACKENDS)
+async def test_four_uvicorn_workers_100_keys_x10(kind: str, tmp_path: Path) -> None:
+    keys_n, dups, workers = 100, 10, 4
+    rng = random.Random(SEED)
+    async with environment(kind) as (run, namespace, ledger):
+        ledger_url = REDIS_URL if kind == "redis" else POSTGRES_DSN
+        env = {
+            **os.environ,
+            "IDEM_CRASH_BACKEND": store_url(kind),
+            "IDEM_CRASH_NAMESPACE": namespace,
+            "IDEM_CRASH_TABLE": TABLE,
+            "IDEM_CRASH_LEDGER": ledger_url,
+            "IDEM_CRASH_RUN": run,
+            "IDEM_CRASH_POINT": "none",
+            "IDEM_CRASH_LEASE": "30",
+            "IDEM_CRASH_DELAY": "0.02",
+            "IDEM_CRASH_POOL": "4" if kind == "postgres" else "32",  # x2 (store, ledger) x 4 workers
+        }
+        keys = [f"w{run}-{i:03d}" for i in range(keys_n)]
+        rng.shuffle(keys)
+        # Key-major: a key's 10 duplicates sit next to each other, so 100 connections have them in
+        # flight together, on whichever workers accepted those connections.
+        order = [k for k in keys for _ in range(dups)]
+        server = UvicornServer(env, tmp_path / "uvicorn.log", workers=workers)
+        try:
+            ready = await server.wait_ready(timeout=40)
+            card = Scorecard(
+                f"storm_100keys_x10_uvicorn_{workers}workers", kind, seed=SEED, keys=keys_n, dup_per_key=dups
+            )
+            answers = await drive_http(server.port, order, 100)
+            card.add(*answers)
+            late = await drive_http(server.port, keys, 20)  # one more of each key, after the storm
+        finally:
+            await asyncio.to_thread(server.stop)
+        counts = await ledger.counts(keys)
+        pids = {json.loads(a.body)["pid"] for a in answers if a.outcome == "first"}
+        result = check_storm(card, counts, dups, late)
+        assert len(pids) >= 2, f"only worker(s) {pids} executed requests (of {ready})"
+        print(f"workers ready {sorted(ready)}; executing workers {len(pids)}; scorecard {result['test']}")
