@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 from contextvars import ContextVar
-from dataclasses import dataclass
 from typing import Final
+
+import msgspec
 
 STATE_KEY: Final = "idempotency"
 """Name under which `IdempotencyInfo` is put in `scope["state"]` (Starlette: `request.state.idempotency`)."""
 
 
-@dataclass(frozen=True, slots=True)
-class IdempotencyInfo:
-    """The key and scope of the request being run, as the middleware saw them."""
+class IdempotencyInfo(msgspec.Struct, frozen=True, gc=False):
+    """The key and scope of the request being run, as the middleware saw them.
+
+    A frozen msgspec Struct (one is made per protected request: a frozen dataclass costs five
+    times as much to build, since its `__init__` goes through `object.__setattr__`).
+    """
 
     key: str
     """The client's idempotency key, unquoted."""

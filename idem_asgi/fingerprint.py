@@ -30,19 +30,21 @@ class FingerprintRule(Protocol):
 
 def _head(scope: Scope, headers: tuple[bytes, ...]) -> Any:
     """A sha256 already fed the length-prefixed method, path, query and chosen headers."""
-    h = hashlib.sha256()
-    parts = [scope["method"].encode("ascii"), scope["path"].encode("utf-8", "surrogateescape"), scope["query_string"]]
+    method = scope["method"].encode("ascii")
+    path = scope["path"].encode("utf-8", "surrogateescape")
+    query = scope["query_string"]
+    data = [len(method).to_bytes(4, "big"), method, len(path).to_bytes(4, "big"), path]
+    data += (len(query).to_bytes(4, "big"), query)
     if headers:
         present: dict[bytes, list[bytes]] = {}
         for k, v in scope["headers"]:
             if k in headers:
                 present.setdefault(k, []).append(v)
         for name in headers:
-            parts.append(name + b":" + b",".join(present.get(name, ())))
-    for p in parts:
-        h.update(len(p).to_bytes(4, "big"))
-        h.update(p)
-    return h
+            p = name + b":" + b",".join(present.get(name, ()))
+            data += (len(p).to_bytes(4, "big"), p)
+    # One hashlib call over the joined prefix instead of two per part: the same digest.
+    return hashlib.sha256(b"".join(data))
 
 
 def _lower(headers: Iterable[str]) -> tuple[bytes, ...]:

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import anyio
 
@@ -157,6 +157,7 @@ class IdempotencyMiddleware:
             else:
                 self._patterns.append(r)
         self._methods = frozenset().union(*(r.methods for r in self.routes)) if self.routes else frozenset()
+        self._leases = _Leases(self.backend, self._emit, min((r.lease for r in self.routes), default=30.0) / 3)
         for r in self.routes:
             if r.scope is None and not r.policy.single_tenant:
                 message = (
@@ -309,6 +310,10 @@ class IdempotencyMiddleware:
             else:
                 await self._unavailable(route, send)
             return
+        if isinstance(result, Claimed):  # the common case, without the decision table's dispatch
+            self._emit("claimed", route, rkey)
+            await self._run(route, scope, receive, send, rkey, owner, body, result.token)
+            return
         await self._act(route, scope, receive, send, rkey, owner, fingerprint, body, result)
 
     async def _act(
@@ -435,7 +440,7 @@ class IdempotencyMiddleware:
         token: int,
     ) -> None:
         backend = self.backend
-        renewal = _Renewal(backend, rkey, token, route.lease, lambda name: self._emit(name, route, rkey))
+        renewal = self._leases.hold(route, rkey, token)
 
         async def on_final(response: StoredResponse) -> None:
             renewal.stop()
@@ -560,49 +565,84 @@ def _holding_disconnect(body: bytes, receive: Receive, capture: Capture) -> Rece
     return replay
 
 
-class _Renewal:
-    """Extends the lease every third of it while the app runs, so a live operation is never taken over."""
+class _Leases:
+    """The claims this middleware holds while their apps run; one timer renews the long-running ones.
 
-    __slots__ = ("_backend", "_emit", "_handle", "_interval", "_key", "_lease", "_stopped", "_task", "_token")
+    Holding a claim is a dict insert and releasing it a dict pop: no timer (`call_later` +
+    `cancel`) and no closure per request. While anything is held, one timer ticks every third of
+    the shortest route lease and extends each claim last extended a third of its own lease ago,
+    so a live claim is extended at most two thirds of its lease after the previous extension.
+    """
+
+    __slots__ = ("_backend", "_emit", "_held", "_loop", "_tasks", "_tick", "_timer")
 
     def __init__(
-        self, backend: Backend, key: RecordKey, token: int, lease: float, emit: Callable[[EventName], None]
+        self, backend: Backend, emit: Callable[[EventName, _Route, RecordKey | None], None], tick: float
     ) -> None:
         self._backend = backend
         self._emit = emit
-        self._key = key
-        self._token = token
-        self._lease = lease
-        self._interval = lease / 3
-        self._stopped = False
-        self._task: asyncio.Task[Any] | None = None
-        self._handle: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(self._interval, self._fire)
+        self._tick = tick
+        self._held: dict[int, _Renewal] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def hold(self, route: _Route, key: RecordKey, token: int) -> _Renewal:
+        loop = asyncio.get_running_loop()
+        renewal = _Renewal(self._held, route, key, token, loop.time() + route.lease / 3)
+        self._held[id(renewal)] = renewal
+        if self._timer is None or self._loop is not loop:
+            # the first claim since a tick found nothing held, or a new event loop (tests)
+            self._loop = loop
+            self._timer = loop.call_later(self._tick, self._fire)
+        return renewal
 
     def _fire(self) -> None:
-        self._handle = None
-        if not self._stopped:
-            self._task = asyncio.ensure_future(self._extend())
+        loop = self._loop
+        assert loop is not None
+        now = loop.time()
+        for renewal in list(self._held.values()):
+            if renewal.due <= now:
+                renewal.due = now + renewal.route.lease / 3
+                task = loop.create_task(self._extend(renewal))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        self._timer = loop.call_later(self._tick, self._fire) if self._held else None
 
-    async def _extend(self) -> None:
+    async def _extend(self, renewal: _Renewal) -> None:
+        route, key = renewal.route, renewal.key
         try:
-            held = await self._backend.extend(self._key, self._token, lease=self._lease)
+            held = await self._backend.extend(key, renewal.token, lease=route.lease)
         except Exception as exc:
-            _store_failed(f"could not extend the lease of key {self._key.key!r}; will retry", exc)
-            self._emit("store_error")
-            held = True
+            _store_failed(f"could not extend the lease of key {key.key!r}; will retry", exc)
+            self._emit("store_error", route, key)
+            return  # still held: the next tick tries again
+        if not renewal.held:
+            return  # the app finished meanwhile
+        if held:
+            self._emit("lease_extended", route, key)
         else:
-            if held and not self._stopped:
-                self._emit("lease_extended")
-        if not held:
-            if not self._stopped:
-                logger.warning("idem_asgi: lease of key %r was lost while the app ran", self._key.key)
-                self._emit("lease_lost")
-            return
-        if not self._stopped:
-            self._handle = asyncio.get_running_loop().call_later(self._interval, self._fire)
+            renewal.stop()
+            logger.warning("idem_asgi: lease of key %r was lost while the app ran", key.key)
+            self._emit("lease_lost", route, key)
+
+
+class _Renewal:
+    """One claim held while its app runs; `stop()` (idempotent) when the app is done with it."""
+
+    __slots__ = ("_held", "due", "key", "route", "token")
+
+    def __init__(self, held: dict[int, _Renewal], route: _Route, key: RecordKey, token: int, due: float) -> None:
+        self._held = held
+        self.route = route
+        self.key = key
+        self.token = token
+        self.due = due
+
+    @property
+    def held(self) -> bool:
+        return self._held.get(id(self)) is self
 
     def stop(self) -> None:
-        self._stopped = True
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
+        if self._held.get(id(self)) is self:
+            del self._held[id(self)]

@@ -59,12 +59,13 @@ class RecordKey(msgspec.Struct, frozen=True, gc=False):
     def build(cls, namespace: str, scope: str | None, key: str) -> RecordKey:
         """Make the key for (namespace, scope, key); a scope of None or "" means unscoped."""
         scope = scope or ""
-        h = hashlib.sha256()
-        for part in (namespace, scope, key):
-            raw = part.encode("utf-8", "surrogateescape")
-            h.update(len(raw).to_bytes(4, "big"))
-            h.update(raw)
-        return cls(namespace, scope, key, h.hexdigest())
+        ns = namespace.encode("utf-8", "surrogateescape")
+        sc = scope.encode("utf-8", "surrogateescape")
+        k = key.encode("utf-8", "surrogateescape")
+        # One sha256 call over the joined bytes: the same digest as feeding them piece by piece,
+        # with one hashlib call instead of seven (each goes through OpenSSL's EVP layer).
+        data = b"".join((len(ns).to_bytes(4, "big"), ns, len(sc).to_bytes(4, "big"), sc, len(k).to_bytes(4, "big"), k))
+        return cls(namespace, scope, key, hashlib.sha256(data).hexdigest())
 
 
 _response_encoder: Final = msgspec.msgpack.Encoder()

@@ -147,3 +147,13 @@ def test_one_instance_shared_by_several_event_loops_keeps_one_winner_per_key() -
     for t in threads:
         t.join()
     assert sorted(winners) == list(range(300))
+
+
+async def test_a_full_store_evicts_in_constant_order_and_keeps_its_bound() -> None:
+    backend = MemoryBackend(max_entries=1_000)
+    for i in range(20_000):
+        claimed = await backend.claim(k(i), b"fp", lease=30, ttl=3_600)
+        assert isinstance(claimed, Claimed)
+        assert await backend.complete(k(i), claimed.token, RESPONSE, ttl=3_600)
+    assert len(backend) == 1_000
+    assert [await backend.get(k(i)) is not None for i in (0, 18_999, 19_000, 19_999)] == [False, False, True, True]
