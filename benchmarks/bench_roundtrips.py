@@ -181,7 +181,16 @@ async def bench_redis(url: str, n: int) -> dict[str, Any]:
         sent[str(args[0]).lower()] += 1
         return await original(*args, **options)
 
-    client.execute_command = counting  # the exact count of what this process sends
+    client.execute_command = counting  # the exact count of what this process sends (redis-py path)
+    lean = backend._lean
+    if lean is not None:  # from_url's lean pool sends the script calls itself
+        lean_execute = lean.execute
+
+        async def counting_lean(*args: Any) -> Any:
+            sent[(args[0].decode() if isinstance(args[0], bytes) else str(args[0])).lower()] += 1
+            return await lean_execute(*args)
+
+        lean.execute = counting_lean  # type: ignore[method-assign]
     admin = type(client).from_url(url)
     try:
         mw = IdempotencyMiddleware(app, backend=backend, routes=policy())

@@ -56,6 +56,11 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("RedisBackend needs redis-py: pip install 'idem-asgi[redis]'") from exc
 
+try:
+    from ._resp import RespPool
+except ImportError:  # pragma: no cover - hiredis missing: redis-py serves every call
+    RespPool = None  # type: ignore[assignment,misc]
+
 logger = logging.getLogger("idem_asgi")
 
 _NOW: Final = """
@@ -225,6 +230,7 @@ class RedisBackend:
         max_concurrency: int | None = None,
         timeout: float = 2.0,
         _owned: bool = False,
+        _lean: RespPool | None = None,
     ) -> None:
         kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
         if kwargs.get("decode_responses") or (getattr(client, "get_encoder", None) and _decodes(client)):
@@ -235,6 +241,9 @@ class RedisBackend:
         self.prefix = prefix
         self.timeout = timeout
         self._owned = _owned
+        # from_url's lean connection pool (see _resp.py) serves the hot script calls; the
+        # redis-py client then only serves the tools (stale, SCAN) and connects when they run.
+        self._lean = _lean
         self._slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         # redis-py's RedisCluster builds its slot map on first use and then recycles every
         # connection; a burst arriving during that start-up sees "Connection closed by server".
@@ -243,14 +252,16 @@ class RedisBackend:
         self._starting = self._cluster
         self._start_lock = asyncio.Lock()
         # Registered once: each call is one EVALSHA; after a SCRIPT FLUSH or on a new node,
-        # redis-py reloads the script on NOSCRIPT and retries.
-        self._claim = client.register_script(CLAIM)
-        self._takeover = client.register_script(TAKEOVER)
-        self._complete = client.register_script(COMPLETE)
-        self._release = client.register_script(RELEASE)
-        self._abandon = client.register_script(ABANDON)
-        self._extend = client.register_script(EXTEND)
-        self._read = client.register_script(READ)
+        # redis-py (or the lean pool) reloads the script on NOSCRIPT and retries.
+        scripts: Any = _lean if _lean is not None else client
+        register = scripts.script if _lean is not None else scripts.register_script
+        self._claim = register(CLAIM)
+        self._takeover = register(TAKEOVER)
+        self._complete = register(COMPLETE)
+        self._release = register(RELEASE)
+        self._abandon = register(ABANDON)
+        self._extend = register(EXTEND)
+        self._read = register(READ)
         # (redis key, token) -> [give-up time (monotonic), seen absent once]
         self._orphans: dict[tuple[str, int], list[Any]] = {}
         self._sweeper: asyncio.Task[None] | None = None
@@ -279,6 +290,11 @@ class RedisBackend:
                 pooled connections after a restart).
             cluster: Use `redis.asyncio.RedisCluster` (keys hash by their `{digest}` tag).
             client_options: Passed to redis-py (`ssl_ca_certs`, `username`, `password`, ...).
+
+        For a `redis://` or `unix://` URL without cluster and with no client option beyond
+        `username`, `password` and `db`, the script calls go through a lean connection pool
+        (`_resp.RespPool`, hiredis; same size, timeout and one-retry rules) that costs a fraction
+        of redis-py's CPU per call; the redis-py client then serves only the ops tools.
         """
         options: dict[str, Any] = {
             "socket_timeout": timeout,
@@ -299,7 +315,10 @@ class RedisBackend:
             url, max_connections=max_connections, timeout=timeout, **options
         )
         client = aioredis.Redis.from_pool(pool)
-        return cls(client, prefix=prefix, timeout=timeout, _owned=True)
+        lean = None
+        if RespPool is not None:
+            lean = RespPool.from_url(url, timeout=timeout, max_connections=max_connections, options=client_options)
+        return cls(client, prefix=prefix, timeout=timeout, _owned=True, _lean=lean)
 
     async def __aenter__(self) -> RedisBackend:
         return self
@@ -323,6 +342,13 @@ class RedisBackend:
         try:
             if self._starting:
                 await self._start()
+            if self._lean is not None:
+                try:
+                    return await script(keys=[name], args=args)
+                except redis_errors.ConnectionError:
+                    # Once, at once, on a fresh connection (as redis-py's Retry does): a restarted
+                    # server drops the connection. Every script is idempotent for its caller's token.
+                    return await script(keys=[name], args=args)
             if slots is None:
                 return await script(keys=[name], args=args)
             if slots.locked():
@@ -544,6 +570,8 @@ class RedisBackend:
                 await sweeper
         if self._orphans:
             logger.warning("idem_asgi: closing with %d unanswered claims not yet removed", len(self._orphans))
+        if self._lean is not None:
+            await self._lean.aclose()
         if self._owned:
             await self.client.aclose()
 

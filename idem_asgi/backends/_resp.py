@@ -1,0 +1,348 @@
+"""A lean RESP2 connection pool for `RedisBackend`'s hot script calls (hiredis required).
+
+redis-py spends most of a call's client-side CPU in its pool, connection and command layers; the
+backend sends one small EVALSHA per operation and needs none of that. Here a call takes an idle
+connection (an `asyncio.Protocol`), packs its command (`hiredis.pack_command`), writes it and
+awaits a future; `hiredis.Reader` parses replies in `data_received` and resolves the futures in
+FIFO order (so a connection can carry pipelined calls; the pool gives each call its own, see
+`RespPool`).
+
+Failure semantics follow redis-py with a socket timeout:
+- connect (and AUTH, SELECT) is bounded by `timeout`; a refused connect is a `ConnectionError`,
+  a slow one a `TimeoutError`; concurrent callers share one connect attempt;
+- a call not answered within `timeout` fails with `TimeoutError` and its connection is aborted
+  (any other call pending on it fails with `TimeoutError` too: its reply is stuck behind the same
+  stall). One lazy watchdog timer per connection checks the oldest call's deadline; no per-call
+  timer and no `wait_for`;
+- a call whose caller is cancelled aborts its connection (as redis-py does);
+- a lost connection fails every pending call with `ConnectionError`; the next call reconnects;
+- error replies are redis-py's exception classes (`NoScriptError`, `ResponseError`, ...).
+Retrying is the caller's business (`RedisBackend._call` retries once on `ConnectionError`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import hashlib
+from typing import Any, Final
+from urllib.parse import unquote, urlparse
+
+import hiredis
+from redis import exceptions as redis_errors
+from redis._parsers.base import BaseParser
+
+# from_url's keyword options (and URL query parameters) the lean connection understands.
+SUPPORTED_OPTIONS: Final = frozenset({"username", "password", "db"})
+
+
+def _pack(args: tuple[Any, ...]) -> bytes:
+    packed: bytes = hiredis.pack_command(args)
+    return packed
+
+
+def _error(reply: hiredis.ReplyError) -> Exception:
+    exc: Exception = BaseParser.parse_error(str(reply))  # type: ignore[no-untyped-call]
+    return exc
+
+
+class _Protocol(asyncio.Protocol):
+    """One connection: a FIFO of (future, deadline) for the calls written and not yet answered."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.loop = asyncio.get_running_loop()
+        self.reader = hiredis.Reader()
+        self.pending: collections.deque[tuple[asyncio.Future[Any], float]] = collections.deque()
+        self.transport: Any = None  # asyncio.Transport, or uvloop's (not a subclass)
+        self.closed = False
+        self.lost: asyncio.Future[None] = self.loop.create_future()
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        if self.closed:  # aborted before uvloop reported the connection
+            transport.abort()  # type: ignore[attr-defined]
+
+    def send(self, packed: bytes) -> asyncio.Future[Any]:
+        fut = self.loop.create_future()
+        if self.closed:  # lost between the pool handing it out and this call
+            fut.set_exception(redis_errors.ConnectionError("connection lost"))
+            return fut
+        deadline = self.loop.time() + self.timeout
+        self.pending.append((fut, deadline))
+        self.transport.write(packed)
+        if self.timer is None:
+            self.timer = self.loop.call_at(deadline, self._watchdog)
+        return fut
+
+    def _watchdog(self) -> None:
+        self.timer = None
+        if self.closed or not self.pending:
+            return
+        deadline = self.pending[0][1]
+        if deadline <= self.loop.time():
+            self.abort(redis_errors.TimeoutError(f"no reply within {self.timeout}s"))
+        else:
+            self.timer = self.loop.call_at(deadline, self._watchdog)
+
+    def data_received(self, data: bytes) -> None:
+        reader = self.reader
+        reader.feed(data)
+        pending = self.pending
+        while True:
+            try:
+                reply = reader.gets()
+            except hiredis.ProtocolError as exc:
+                self.abort(redis_errors.ConnectionError(f"protocol error: {exc}"))
+                return
+            if reply is False:
+                return
+            if not pending:  # a reply nobody asked for: the stream is out of step
+                self.abort(redis_errors.ConnectionError("unexpected reply"))
+                return
+            fut, _ = pending.popleft()
+            if fut.done():  # its caller was cancelled
+                continue
+            if isinstance(reply, hiredis.ReplyError):
+                fut.set_exception(_error(reply))
+            else:
+                fut.set_result(reply)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(redis_errors.ConnectionError(f"connection lost: {exc or 'closed by server'}"))
+        if not self.lost.done():
+            self.lost.set_result(None)
+
+    def abort(self, exc: Exception) -> None:
+        """Fail every pending call with `exc` and drop the connection (RST)."""
+        self._fail(exc)
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _fail(self, exc: Exception) -> None:
+        self.closed = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        pending, self.pending = self.pending, collections.deque()
+        for fut, _ in pending:
+            if not fut.done():
+                fut.set_exception(exc)
+        # Futures failed here may have no awaiting caller left (cancelled): mark them retrieved.
+        for fut, _ in pending:
+            if not fut.cancelled():
+                fut.exception()
+
+
+class Script:
+    """`await script(keys=[...], args=[...])`: EVALSHA; on NOSCRIPT, SCRIPT LOAD and EVALSHA again."""
+
+    def __init__(self, conn: RespPool, source: str) -> None:
+        self.conn = conn
+        self.source = source.encode("utf-8")
+        self.sha = hashlib.sha1(self.source).hexdigest()
+
+    async def __call__(self, keys: list[Any], args: tuple[Any, ...] | list[Any] = ()) -> Any:
+        try:
+            return await self.conn.execute("EVALSHA", self.sha, len(keys), *keys, *args)
+        except redis_errors.NoScriptError:
+            self.sha = await self.conn.execute("SCRIPT", "LOAD", self.source)
+            if isinstance(self.sha, bytes):
+                self.sha = self.sha.decode("ascii")
+            return await self.conn.execute("EVALSHA", self.sha, len(keys), *keys, *args)
+
+
+class RespPool:
+    """Lazily opened connections to one Redis server (TCP or unix socket), each used by one call at a time.
+
+    A call takes an idle connection (the most recently used), or opens one while fewer than
+    `max_connections` are open, or waits (up to `timeout`) for one to come back. One call per
+    connection keeps redis-py's failure isolation: a reset, a lost reply or a stall fails only
+    the call that was on that connection.
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 6379,
+        path: str | None = None,
+        username: str | None = None,
+        password: str | None = None,
+        db: int = 0,
+        timeout: float = 2.0,
+        max_connections: int = 256,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.path = path
+        self.username = username
+        self.password = password
+        self.db = db
+        self.timeout = timeout
+        self.max_connections = max_connections
+        self._idle: list[_Protocol] = []
+        self._all: set[_Protocol] = set()
+        self._opening = 0
+        self._waiters: collections.deque[asyncio.Future[_Protocol | None]] = collections.deque()
+        self._closed = False
+
+    @classmethod
+    def from_url(
+        cls, url: str, *, timeout: float, max_connections: int = 256, options: dict[str, Any] | None = None
+    ) -> RespPool | None:
+        """A pool for a `redis://` or `unix://` URL, or None when it needs more than we support."""
+        options = options or {}
+        parsed = urlparse(url)
+        if parsed.scheme not in ("redis", "unix"):
+            return None
+        query: dict[str, str] = {}
+        for part in filter(None, parsed.query.split("&")):
+            name, _, value = part.partition("=")
+            query[unquote(name)] = unquote(value)
+        if set(query) - {"db"} or set(options) - SUPPORTED_OPTIONS:
+            return None
+        username = options.get("username", unquote(parsed.username) if parsed.username else None)
+        password = options.get("password", unquote(parsed.password) if parsed.password else None)
+        db: Any = options.get("db", query.get("db"))
+        common: dict[str, Any] = {
+            "username": username,
+            "password": password,
+            "timeout": timeout,
+            "max_connections": max_connections,
+        }
+        if parsed.scheme == "unix":
+            if not parsed.path:
+                return None
+            return cls(path=unquote(parsed.path), db=int(db or 0), **common)
+        if db is None and parsed.path not in ("", "/"):
+            db = parsed.path.lstrip("/")
+        return cls(host=parsed.hostname or "localhost", port=parsed.port or 6379, db=int(db or 0), **common)
+
+    @property
+    def connections(self) -> int:
+        """Connections open or being opened."""
+        return len(self._all) + self._opening
+
+    def script(self, source: str) -> Script:
+        return Script(self, source)
+
+    async def execute(self, *args: Any) -> Any:
+        """Send one command on a connection of its own and await the reply."""
+        packed = _pack(args)
+        idle = self._idle
+        proto = None
+        while idle:
+            proto = idle.pop()
+            if not proto.closed:
+                break
+            self._all.discard(proto)
+            proto = None
+        if proto is None:
+            proto = await self._acquire()
+        try:
+            reply = await proto.send(packed)
+        except BaseException as exc:
+            if not isinstance(exc, redis_errors.RedisError):  # cancelled: its reply would still come
+                proto.abort(redis_errors.ConnectionError("call cancelled"))
+            self._release(proto)
+            raise
+        self._release(proto)
+        return reply
+
+    def _release(self, proto: _Protocol | None) -> None:
+        """Hand `proto` to the first waiter, or back to the idle list; None (or closed): a free slot."""
+        if proto is not None and (proto.closed or self._closed):
+            self._all.discard(proto)
+            proto = None
+        waiters = self._waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(proto)  # None: a slot is free, open a connection
+                return
+        if proto is not None:
+            self._idle.append(proto)
+
+    async def _acquire(self) -> _Protocol:
+        if self._closed:
+            raise redis_errors.ConnectionError("connection pool closed by aclose()")
+        if self.connections >= self.max_connections:
+            waiter: asyncio.Future[_Protocol | None] = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                proto = await asyncio.wait_for(waiter, self.timeout)
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():  # handed over as we gave up: pass it on
+                    self._release(waiter.result())
+                else:
+                    waiter.cancel()
+                if self._closed:
+                    raise redis_errors.ConnectionError("connection pool closed by aclose()") from None
+                raise redis_errors.TimeoutError(f"no free redis connection within {self.timeout}s") from None
+            if proto is not None:
+                return proto
+        self._opening += 1
+        try:
+            proto = await self._connect()
+        except BaseException:
+            self._opening -= 1
+            self._release(None)
+            raise
+        self._opening -= 1
+        self._all.add(proto)
+        return proto
+
+    async def _connect(self) -> _Protocol:
+        loop = asyncio.get_running_loop()
+        timeout = self.timeout
+        made: list[_Protocol] = []
+
+        def factory() -> _Protocol:
+            made.append(_Protocol(timeout))
+            return made[-1]
+
+        async def handshake() -> _Protocol:
+            if self.path is not None:
+                transport, proto = await loop.create_unix_connection(factory, self.path)
+            else:
+                transport, proto = await loop.create_connection(factory, self.host, self.port)
+            proto.transport = transport  # uvloop calls connection_made only later
+            if self.password is not None:
+                auth = (self.username, self.password) if self.username else (self.password,)
+                await proto.send(_pack(("AUTH", *auth)))
+            if self.db:
+                await proto.send(_pack(("SELECT", self.db)))
+            return proto
+
+        try:
+            proto = await asyncio.wait_for(handshake(), timeout)
+        except BaseException as exc:
+            for made_proto in made:
+                made_proto.abort(redis_errors.ConnectionError("connect failed"))
+            if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+                raise redis_errors.TimeoutError(f"connect to redis timed out after {timeout}s") from None
+            if isinstance(exc, OSError):
+                raise redis_errors.ConnectionError(f"cannot connect to redis: {exc}") from exc
+            raise
+        if self._closed:
+            proto.abort(redis_errors.ConnectionError("connection pool closed by aclose()"))
+            raise redis_errors.ConnectionError("connection pool closed by aclose()")
+        return proto
+
+    async def aclose(self) -> None:
+        """Close every connection; calls still pending fail with `ConnectionError`."""
+        self._closed = True
+        waiters, self._waiters = self._waiters, collections.deque()
+        for waiter in waiters:
+            waiter.cancel()
+        protos = list(self._all)
+        self._all.clear()
+        self._idle.clear()
+        for proto in protos:
+            proto.abort(redis_errors.ConnectionError("connection pool closed by aclose()"))
+        for proto in protos:
+            with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
+                await asyncio.wait_for(asyncio.shield(proto.lost), 1.0)

@@ -1,0 +1,217 @@
+"""The lean pipelined RESP connection (idem_asgi.backends._resp) against real Redis servers.
+
+Ordering uses the shared Redis (unique key prefix); anything that flushes scripts, stops, kills
+or configures a server runs on a throwaway `redis-server` (see tests/test_backend_redis.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+from redis import exceptions as redis_errors
+
+from idem_asgi.backends._resp import RespPool, _pack
+from idem_asgi.backends.redis import RedisBackend
+from idem_asgi.records import Claimed, Existing
+from tests.servers import REDIS_URL, require
+from tests.test_backend_redis import RedisProcess, redis_process, rk, throwaway  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.redis
+
+ECHO = "return {KEYS[1], ARGV[1]}"
+
+
+def lean(url: str, timeout: float = 2.0, **options: object) -> RespPool:
+    conn = RespPool.from_url(url, timeout=timeout, options=dict(options))
+    assert conn is not None
+    return conn
+
+
+async def test_1000_concurrent_calls_each_get_their_own_reply_from_a_bounded_pool() -> None:
+    require("redis", REDIS_URL)
+    conn = RespPool.from_url(REDIS_URL, timeout=2.0, max_connections=8)
+    assert conn is not None
+    prefix = f"idem-test:{uuid.uuid4().hex}:"
+    try:
+        echo = conn.script(ECHO)
+        replies = await asyncio.gather(*(echo(keys=[f"{prefix}{i}"], args=[i]) for i in range(1000)))
+        assert replies == [[f"{prefix}{i}".encode(), str(i).encode()] for i in range(1000)]
+        assert 1 <= conn.connections <= 8
+        # Mixed commands on the same connection, also with an error reply in the middle.
+        results = await asyncio.gather(
+            conn.execute("PING"), conn.execute("NOSUCHCOMMAND"), conn.execute("ECHO", b"x"), return_exceptions=True
+        )
+        assert results[0] == b"PONG" and results[2] == b"x"
+        assert isinstance(results[1], redis_errors.ResponseError)
+    finally:
+        await conn.aclose()
+
+
+async def test_one_connection_pipelines_replies_in_order() -> None:
+    """The protocol under the pool: many calls written back to back resolve in FIFO order."""
+    require("redis", REDIS_URL)
+    conn = RespPool.from_url(REDIS_URL, timeout=2.0, max_connections=1)
+    assert conn is not None
+    try:
+        await conn.execute("PING")
+        (proto,) = conn._idle
+        futures = [proto.send(_pack(("ECHO", i))) for i in range(1000)]
+        futures.insert(500, proto.send(_pack(("NOSUCHCOMMAND",))))
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        assert isinstance(results.pop(500), redis_errors.ResponseError)
+        assert results == [str(i).encode() for i in range(1000)]
+    finally:
+        await conn.aclose()
+
+
+async def test_a_full_pool_waits_then_times_out(throwaway: RedisProcess) -> None:  # noqa: F811
+    conn = RespPool.from_url(throwaway.url, timeout=0.3, max_connections=1)
+    assert conn is not None
+    try:
+        slow = asyncio.ensure_future(conn.execute("DEBUG", "SLEEP", "0.1"))
+        assert await conn.execute("PING") == b"PONG"  # waited for the only connection
+        assert await slow == b"OK"
+        held = conn._idle.pop()  # as a call does: it holds the only connection
+        started = time.monotonic()
+        with pytest.raises(redis_errors.TimeoutError, match="no free redis connection"):
+            await conn.execute("PING")
+        assert 0.25 < time.monotonic() - started < 0.5
+        conn._release(held)
+        assert await conn.execute("PING") == b"PONG"
+        assert conn.connections == 1
+    finally:
+        await conn.aclose()
+
+
+def test_from_url_refuses_what_it_does_not_support() -> None:
+    assert RespPool.from_url("rediss://h:6380/0", timeout=1, options={}) is None
+    assert RespPool.from_url("redis://h/0?socket_timeout=3", timeout=1, options={}) is None
+    assert RespPool.from_url("redis://h/0", timeout=1, options={"ssl_ca_certs": "x"}) is None
+    conn = lean("redis://alice:s%40cret@example:7000/5")
+    assert (conn.host, conn.port, conn.username, conn.password, conn.db) == ("example", 7000, "alice", "s@cret", 5)
+    conn = lean("unix:///run/redis.sock?db=3", password="pw")
+    assert (conn.path, conn.db, conn.password) == ("/run/redis.sock", 3, "pw")
+    assert lean("redis://localhost").db == 0
+
+
+async def test_noscript_falls_back_and_the_script_is_cached_again(throwaway: RedisProcess) -> None:  # noqa: F811
+    conn = lean(throwaway.url)
+    admin = aioredis.Redis(port=throwaway.port)
+    try:
+        echo = conn.script(ECHO)
+        assert await echo(keys=["k"], args=[1]) == [b"k", b"1"]
+        await admin.script_flush()
+        assert await echo(keys=["k"], args=[2]) == [b"k", b"2"]
+        assert await admin.script_exists(echo.sha) == [True]
+    finally:
+        await admin.aclose()
+        await conn.aclose()
+
+
+async def test_stalled_server_times_out_aborts_and_reconnects(throwaway: RedisProcess) -> None:  # noqa: F811
+    conn = lean(throwaway.url, timeout=0.3)
+    admin = aioredis.Redis(port=throwaway.port)
+    try:
+        assert await conn.execute("PING") == b"PONG"
+        throwaway.signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            results = await asyncio.gather(*(conn.execute("INCR", "n") for _ in range(5)), return_exceptions=True)
+            elapsed = time.monotonic() - started
+            assert all(isinstance(r, redis_errors.TimeoutError) for r in results), results
+            assert 0.25 < elapsed < 0.6, elapsed
+        finally:
+            throwaway.signal(signal.SIGCONT)
+        # The stuck connection was aborted: a new one answers, and the old one is gone.
+        assert await conn.execute("PING") == b"PONG"
+        clients = await admin.client_list()
+        assert len(clients) == 2, clients  # admin + the lean connection
+    finally:
+        await admin.aclose()
+        await conn.aclose()
+
+
+async def test_killed_server_fails_pending_calls_then_reconnects(throwaway: RedisProcess) -> None:  # noqa: F811
+    conn = lean(throwaway.url, timeout=1.0)
+    try:
+        assert await conn.execute("PING") == b"PONG"
+        slow = asyncio.ensure_future(conn.execute("DEBUG", "SLEEP", "0.5"))
+        await asyncio.sleep(0.1)
+        throwaway.kill()
+        with pytest.raises(redis_errors.ConnectionError):
+            await slow
+        with pytest.raises(redis_errors.ConnectionError):
+            await conn.execute("PING")  # refused at once, not after the timeout
+        throwaway.start()
+        assert await conn.execute("PING") == b"PONG"
+    finally:
+        await conn.aclose()
+
+
+async def test_backend_survives_a_restart_with_one_retry(throwaway: RedisProcess) -> None:  # noqa: F811
+    async with RedisBackend.from_url(throwaway.url, timeout=1.0) as backend:
+        assert backend._lean is not None
+        assert isinstance(await backend.claim(rk("a"), b"fp", lease=30, ttl=60), Claimed)
+        throwaway.kill()
+        throwaway.start()
+        # The pooled connection is dead; the first call after the restart retries on a new one.
+        assert isinstance(await backend.claim(rk("b"), b"fp", lease=30, ttl=60), Claimed)
+
+
+async def test_auth_and_select_from_the_url(tmp_path: Path) -> None:
+    with redis_process(tmp_path / "redis") as server:
+        admin = aioredis.Redis(port=server.port, password="s3cret")
+        try:
+            async with aioredis.Redis(port=server.port) as setup:
+                await setup.execute_command("ACL", "SETUSER", "app", "on", ">apppw", "~*", "+@all")
+                await setup.config_set("requirepass", "s3cret")
+            for url in (f"redis://:s3cret@127.0.0.1:{server.port}/4", f"redis://app:apppw@127.0.0.1:{server.port}/4"):
+                conn = lean(url)
+                try:
+                    assert await conn.execute("SET", "where", url) == b"OK"
+                finally:
+                    await conn.aclose()
+                assert await admin.execute_command("SELECT", 4) and await admin.get("where") == url.encode()
+                await admin.execute_command("SELECT", 0)
+            bad = lean(f"redis://:wrong@127.0.0.1:{server.port}/0")
+            try:
+                with pytest.raises(redis_errors.AuthenticationError):
+                    await bad.execute("PING")
+            finally:
+                await bad.aclose()
+            async with RedisBackend.from_url(f"redis://:s3cret@127.0.0.1:{server.port}/4") as backend:
+                assert backend._lean is not None and backend._lean.db == 4
+                claimed = await backend.claim(rk(), b"fp", lease=30, ttl=60)
+                assert isinstance(claimed, Claimed)
+                assert isinstance(await backend.claim(rk(), b"fp", lease=30, ttl=60), Existing)
+                assert [s.key.key for s in await backend.stale(older_than=-3600)] == [rk().key]
+        finally:
+            await admin.aclose()
+
+
+async def test_unix_socket(tmp_path: Path) -> None:
+    path = str(tmp_path / "redis.sock")
+    with redis_process(tmp_path / "redis", port=0, args=["--unixsocket", path, "--unixsocketperm", "700"]):
+        conn = lean(f"unix://{path}?db=2")
+        try:
+            assert conn.path == path and conn.db == 2
+            assert sorted(await asyncio.gather(*(conn.execute("INCR", "n") for _ in range(100)))) == list(range(1, 101))
+        finally:
+            await conn.aclose()
+
+
+async def test_aclose_fails_pending_calls_and_refuses_new_ones(throwaway: RedisProcess) -> None:  # noqa: F811
+    conn = lean(throwaway.url)
+    slow = asyncio.ensure_future(conn.execute("DEBUG", "SLEEP", "0.3"))
+    await asyncio.sleep(0.05)
+    await conn.aclose()
+    with pytest.raises(redis_errors.ConnectionError):
+        await slow
+    with pytest.raises(redis_errors.ConnectionError):
+        await conn.execute("PING")
