@@ -27,7 +27,8 @@ def require(name: str, url: str) -> None:
     """Skip (on a laptop) or fail (under CI=true) when the server is not reachable."""
     if reachable(url):
         return
-    message = f"{name} not reachable at {url}; start it (see backends/README.md) or set IDEM_{name.upper()}_URL"
+    variable = "IDEM_POSTGRES_DSN" if name == "postgres" else f"IDEM_{name.upper()}_URL"
+    message = f"{name} not reachable at {url}; start it with `bash backends/start-services.sh` or set {variable}"
     if IN_CI:
         pytest.fail(message + " (CI=true: a missing server fails the run)")
     pytest.skip(message)
