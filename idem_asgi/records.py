@@ -41,6 +41,8 @@ class Record(msgspec.Struct, frozen=True, gc=False):
     lease_until: float
     expires_at: float
     response: StoredResponse | None = None
+    checkpoint: str | None = None
+    """The last step a handler recorded on its claim (Postgres `checkpoint()`), for recovery."""
 
 
 class RecordKey(msgspec.Struct, frozen=True, gc=False):

@@ -56,8 +56,10 @@ CREATE TABLE IF NOT EXISTS {table} (
     headers     bytea,                           -- msgpack list of [name, value] byte pairs, in order
     body        bytea,                           -- response body, verbatim
     replayable  boolean,
+    checkpoint  text,                            -- the last step the handler recorded (checkpoint())
     PRIMARY KEY (namespace, scope, key)
 );
+ALTER TABLE {table} ADD COLUMN IF NOT EXISTS checkpoint text;
 CREATE INDEX IF NOT EXISTS {expires_index} ON {table} (expires_at);
 CREATE INDEX IF NOT EXISTS {inflight_index} ON {table} (lease_until) WHERE state <> 'c';
 """
@@ -65,7 +67,7 @@ CREATE INDEX IF NOT EXISTS {inflight_index} ON {table} (lease_until) WHERE state
 _COLUMNS: Final = (
     "state, fingerprint, token, extract(epoch from lease_until)::float8 AS lease_until, "
     "extract(epoch from expires_at)::float8 AS expires_at, status, headers, body, replayable, "
-    "extract(epoch from now())::float8 AS now"
+    "extract(epoch from now())::float8 AS now, checkpoint"
 )
 
 
@@ -161,16 +163,16 @@ WITH cur AS (
     UPDATE {t} AS r SET
         state = 'p', fingerprint = $4, token = $5, created_at = now(),
         lease_until = now() + $6::float8 * interval '1 second', expires_at = now() + $7::float8 * interval '1 second',
-        status = NULL, headers = NULL, body = NULL, replayable = NULL
+        status = NULL, headers = NULL, body = NULL, replayable = NULL, checkpoint = NULL
     WHERE namespace = $1 AND scope = $2 AND key = $3 AND EXISTS (SELECT 1 FROM cur WHERE free) AND {free}
     RETURNING true
 )
 SELECT true, NULL::"char", NULL::bytea, NULL::bigint, NULL::float8, NULL::float8,
-       NULL::integer, NULL::bytea, NULL::bytea, NULL::boolean, NULL::float8 FROM ins
+       NULL::integer, NULL::bytea, NULL::bytea, NULL::boolean, NULL::float8, NULL::text FROM ins
 UNION ALL
-SELECT true, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM upd
+SELECT true, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM upd
 UNION ALL
-SELECT false, state, fingerprint, token, lease_until, expires_at, status, headers, body, replayable, now
+SELECT false, state, fingerprint, token, lease_until, expires_at, status, headers, body, replayable, now, checkpoint
 FROM cur WHERE NOT free
 """
         held = "namespace = $1 AND scope = $2 AND key = $3 AND token = $4"
@@ -183,6 +185,7 @@ WHERE {where}"""
         self._sql_release = f"DELETE FROM {t} WHERE {held} AND state = 'p'"
         self._sql_effect = f"UPDATE {t} SET state = 'e' WHERE {held} AND state = 'p'"
         self._sql_holder = f"SELECT state FROM {t} WHERE {held}"
+        self._sql_checkpoint = f"UPDATE {t} SET checkpoint = $5 WHERE {where}"
         self._sql_completed_by = f"""
 SELECT true FROM {t} WHERE namespace = $1 AND scope = $2 AND key = $3 AND token = $4 AND state = 'c'"""
         self._sql_extend = f"""
@@ -267,6 +270,8 @@ ORDER BY lease_until LIMIT $2"""
 
     async def _create(self, conn: Any) -> None:
         exists = "SELECT " + " AND ".join(f"to_regclass(${i}) IS NOT NULL" for i in range(1, len(self._relations) + 1))
+        # (and the newest column: tables made by earlier releases get it from the DDL's ALTER)
+        exists += " AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'checkpoint')"
         if await conn.fetchval(exists, *self._relations, timeout=self.timeout):
             return  # nothing to do, and no lock taken on a table that is serving
         # CREATE ... IF NOT EXISTS is not safe against itself: two workers starting together can
@@ -409,6 +414,24 @@ ORDER BY lease_until LIMIT $2"""
         status = await self._run(pool, "execute", self._sql_extend, key.namespace, key.scope, key.key, token, lease)
         return bool(status == "UPDATE 1")
 
+    async def checkpoint(self, step: str, *, key: RecordKey | None = None, token: int | None = None) -> None:
+        """Record how far the running handler got (e.g. `"charged ch_123"`) on its claim's row.
+
+        A recover hook or `reconcile` then sees it as `record.checkpoint` if the worker dies, and
+        knows what to ask the provider. Without `key`/`token`, the claim of the request running in
+        this task is used (the middleware claims in the task that runs the handler). Fenced by
+        the token: raises `ClaimLost` when the claim was taken over.
+        """
+        if key is None or token is None:
+            claim = _claim_var.get()
+            if claim is None or claim.backend is not self:
+                raise ClaimLost("checkpoint() outside a request holding a claim of this backend")
+            key, token = claim.key, claim.token
+        pool = await self._get_pool()
+        status = await self._run(pool, "execute", self._sql_checkpoint, key.namespace, key.scope, key.key, token, step)
+        if status != "UPDATE 1":
+            raise ClaimLost(f"the claim on key {key.key!r} is no longer held; checkpoint not recorded")
+
     async def get(self, key: RecordKey) -> Record | None:
         pool = await self._get_pool()
         row = await self._run(pool, "fetchrow", self._sql_get, key.namespace, key.scope, key.key)
@@ -447,7 +470,7 @@ ORDER BY lease_until LIMIT $2"""
         """
         pool = await self._get_pool()
         rows = await self._run(pool, "fetch", self._sql_stale, float(older_than), limit, namespace)
-        return [StaleRecord(RecordKey.build(row[11], row[12], row[13]), _record(row), row[1] == b"e") for row in rows]
+        return [StaleRecord(RecordKey.build(row[12], row[13], row[14]), _record(row), row[1] == b"e") for row in rows]
 
     @contextlib.asynccontextmanager
     async def transaction(self, connection: Any = None) -> AsyncIterator[Any]:
@@ -581,7 +604,7 @@ def _record(row: Any) -> Record:
     response = None
     if row[1] == b"c" and row[6] is not None:
         response = StoredResponse(row[6], _headers_decode(row[7]), row[8], row[9])
-    return Record(COMPLETED if row[1] == b"c" else IN_PROGRESS, row[2], row[3], row[4], row[5], response)
+    return Record(COMPLETED if row[1] == b"c" else IN_PROGRESS, row[2], row[3], row[4], row[5], response, row[11])
 
 
 async def _keep_session(connection: Any) -> None:
