@@ -1,0 +1,53 @@
+"""The README's five-line FastAPI setup works as printed: 200 concurrent retries, one charge."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+
+from tests.servers import REDIS_URL, require
+
+pytestmark = pytest.mark.redis
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def quickstart() -> str:
+    text = README.read_text()
+    section = text[text.index("## Five lines on FastAPI") :]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match is not None
+    return match.group(1).replace("redis://localhost:6379/0", REDIS_URL)
+
+
+async def test_readme_quickstart_gives_one_charge_under_200_concurrent_retries() -> None:
+    require("redis", REDIS_URL)
+    app = FastAPI()
+    charges: list[str] = []
+
+    @app.post("/payments", status_code=201)
+    async def pay(request: Request) -> dict[str, Any]:
+        await asyncio.sleep(0.02)
+        charges.append(request.state.idempotency.key)
+        return {"charge": uuid.uuid4().hex}
+
+    namespace: dict[str, Any] = {"app": app}
+    exec(compile(quickstart(), "README.md", "exec"), namespace)  # the snippet exactly as printed
+    key = f"readme-{uuid.uuid4().hex}"
+    headers = {"Idempotency-Key": key, "X-Tenant-Id": "t-1"}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        answers = await asyncio.gather(*[client.post("/payments", json={"amount": 1}, headers=headers)
+                                         for _ in range(200)])
+        late = await client.post("/payments", json={"amount": 1}, headers=headers)
+    assert charges == [key]
+    first = next(a for a in answers if a.status_code == 201 and "idempotent-replayed" not in a.headers)
+    assert all(a.status_code == 409 or a.content == first.content for a in answers)
+    assert late.content == first.content and late.headers["idempotent-replayed"] == "true"
+    backend = app.user_middleware[0].kwargs["backend"]
+    await backend.aclose()
