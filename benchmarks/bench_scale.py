@@ -1,0 +1,160 @@
+"""How requests/s and p99 change with concurrency and body size, and memory per in-flight request.
+
+Server part: uvicorn (1 worker, pinned to cpu 0; the client on cpu 1) serving the FastAPI no-op
+app bare and behind the middleware; every request a new key. For each concurrency (1, 8, 32,
+128) and each body size (1 KiB, 64 KiB, 1 MiB at concurrency 8), a bare round and an "ours"
+round run back to back, so machine noise hits both alike. In-process part: N requests held
+in flight inside the handler; tracemalloc gives the middleware's memory per in-flight request.
+
+    python -m benchmarks.bench_scale                     # memory backend
+    python -m benchmarks.bench_scale --backends memory,redis --duration 2 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import tracemalloc
+import uuid
+from typing import Any
+
+from benchmarks._client import build_request, run_load
+from benchmarks.bench_app import Server, install_signal_handlers, pin_self, stop_all
+from idem_asgi import IdempotencyMiddleware, RoutePolicy
+from idem_asgi.backends import MemoryBackend
+
+URLS = {
+    "memory": "memory://",
+    "redis": os.environ.get("IDEM_REDIS_URL", "redis://127.0.0.1:6379/0"),
+    "postgres": os.environ.get("IDEM_POSTGRES_DSN", "postgresql://postgres@127.0.0.1:5432/test"),
+}
+CONCURRENCY = (1, 8, 32, 128)
+BODIES = (1 << 10, 64 << 10, 1 << 20)
+
+
+def new_key_request(body: bytes) -> Any:
+    def request_for(i: int) -> bytes:
+        headers = [("idempotency-key", uuid.uuid4().hex), ("content-type", "application/octet-stream")]
+        return build_request("POST", "/noop", headers=headers, body=body)
+
+    return request_for
+
+
+async def measure(server: Server, body: bytes, concurrency: int, duration: float) -> dict[str, float]:
+    result = await run_load(
+        "127.0.0.1", server.port, new_key_request(body), concurrency=concurrency,
+        max_requests=200_000, duration=duration,
+    )
+    ok = sum(n for status, n in result.statuses.items() if status < 500)
+    return {"rps": round(result.rps, 1), "p50_ms": round(result.p(50), 2), "p99_ms": round(result.p(99), 2),
+            "ok": ok, "requests": result.requests}
+
+
+async def scale(backend: str, duration: float) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    bare = Server({"IDEM_BENCH_BACKEND": "none"}, label=f"scale-bare-{uuid.uuid4().hex[:6]}").start()
+    ours = Server({"IDEM_BENCH_BACKEND": URLS[backend]}, label=f"scale-{backend}-{uuid.uuid4().hex[:6]}").start()
+    try:
+        points = [(c, BODIES[0]) for c in CONCURRENCY] + [(8, size) for size in BODIES[1:]]
+        for concurrency, size in points:
+            body = b"x" * size
+            a = await measure(bare, body, concurrency, duration)
+            b = await measure(ours, body, concurrency, duration)
+            rows.append({
+                "backend": backend, "concurrency": concurrency, "body_bytes": size,
+                "bare_rps": a["rps"], "ours_rps": b["rps"], "ratio": round(b["rps"] / a["rps"], 2) if a["rps"] else 0,
+                "bare_p99_ms": a["p99_ms"], "ours_p99_ms": b["p99_ms"], "ours_p50_ms": b["p50_ms"],
+            })
+    finally:
+        bare.stop()
+        ours.stop()
+    return rows
+
+
+async def memory_per_in_flight(n: int, size: int) -> float:
+    """Bytes the middleware holds per request waiting inside the handler (buffered body included)."""
+    release = asyncio.Event()
+    entered = 0
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        nonlocal entered
+        await receive()
+        entered += 1
+        await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    mw = IdempotencyMiddleware(app, backend=MemoryBackend(), routes=[RoutePolicy("/pay", single_tenant=True)])
+    body = b"x" * size
+
+    async def one(i: int) -> None:
+        sent = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await release.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: Any) -> None:
+            pass
+
+        headers = [(b"idempotency-key", f"k-{i}".encode()), (b"content-length", str(size).encode())]
+        scope = {"type": "http", "method": "POST", "path": "/pay", "query_string": b"", "headers": headers}
+        await mw(scope, receive, send)
+
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
+    for _ in range(1000):
+        if entered == n:
+            break
+        await asyncio.sleep(0.001)
+    during = tracemalloc.get_traced_memory()[0]
+    release.set()
+    await asyncio.gather(*tasks)
+    tracemalloc.stop()
+    return (during - before) / n
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backends", default="memory", help="comma-separated: memory, redis, postgres")
+    parser.add_argument("--duration", type=float, default=1.5, help="seconds per round (default 1.5)")
+    parser.add_argument("--json", action="store_true", help="print JSON lines instead of tables")
+    args = parser.parse_args(argv)
+    install_signal_handlers()
+    pinned = pin_self("1")
+    try:
+        rows: list[dict[str, Any]] = []
+        for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
+            rows += asyncio.run(scale(backend, args.duration))
+        memory = [(size, asyncio.run(memory_per_in_flight(200, size))) for size in (1 << 10, 64 << 10)]
+    finally:
+        stop_all()
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        for size, per in memory:
+            print(json.dumps({"in_flight_body_bytes": size, "bytes_per_in_flight_request": round(per)}))
+        return 0
+    print(f"# scale curve, new key every request ({platform.node()}, nproc {os.cpu_count()}, {pinned})")
+    print("| backend | concurrency | body | bare req/s | ours req/s | ratio | bare p99 ms | ours p99 ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['backend']} | {r['concurrency']} | {r['body_bytes'] // 1024} KiB | {r['bare_rps']:.0f} | "
+              f"{r['ours_rps']:.0f} | {r['ratio']:.2f} | {r['bare_p99_ms']:.1f} | {r['ours_p99_ms']:.1f} |")
+    print("\n| body of each in-flight request | middleware memory per in-flight request (besides the body, held once) |")
+    print("|---:|---:|")
+    for size, per in memory:
+        print(f"| {size // 1024} KiB | {per / 1024:.1f} KiB |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
