@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"| {r['backend']} | {r['concurrency']} | {r['body_bytes'] // 1024} KiB | {r['bare_rps']:.0f} | "
               f"{r['ours_rps']:.0f} | {r['ratio']:.2f} | {r['bare_p99_ms']:.1f} | {r['ours_p99_ms']:.1f} |")
-    print("\n| body of each in-flight request | middleware memory per in-flight request (besides the body, held once) |")
+    print("\n| body of each in-flight request | middleware memory per in-flight request (besides its body) |")
     print("|---:|---:|")
     for size, per in memory:
         print(f"| {size // 1024} KiB | {per / 1024:.1f} KiB |")
