@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Set up a local virtualenv and run the demo or the checks: `python3 dev.py demo|test|bench`.
+"""Set up a local virtualenv and run the demo, the checks or every benchmark: `python3 dev.py demo|test|bench`.
 
 Needs nothing but Python 3.10+: it creates `.venv`, installs the package with its `dev`
 extra (again only when pyproject.toml changed), then runs the job inside it.
@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
                 return code
         return run("-m", "pytest", *rest)
     if job == "bench":
-        return run("-m", "benchmarks.bench_overhead", *rest)
+        return run("-m", "benchmarks.run_all", *rest)
     print(f"usage: python3 dev.py demo|test|bench [args...]; unknown job {job!r}", file=sys.stderr)
     return 2
 

@@ -1,0 +1,91 @@
+"""One command for every benchmark: `python -m benchmarks.run_all` (a few minutes, local Redis and Postgres).
+
+Runs round trips, overhead (quick), the scale curve, retry storms with the strawman (quick) and the
+large Postgres table (100,000 rows unless `--rows`), writes every table to
+`benchmarks/out/report.md` and draws the scale curve to `docs/benchmarks.png` (matplotlib, the
+`bench` extra). Each benchmark also runs alone; see benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "benchmarks" / "out"
+CHART = ROOT / "docs" / "benchmarks.png"
+
+
+def run(title: str, args: list[str]) -> str:
+    print(f"== {title}: python -m {' '.join(args)}", flush=True)
+    done = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    failed = f"\n(exit {done.returncode}: {done.stderr.strip()[-500:]})" if done.returncode else ""
+    text = done.stdout.strip() + failed
+    print(text, flush=True)
+    return f"## {title}\n\n`python -m {' '.join(args)}`\n\n{text}\n"
+
+
+def chart(rows: list[dict[str, float]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    by_c = [r for r in rows if r["body_bytes"] == 1024]
+    left.plot([r["concurrency"] for r in by_c], [r["bare_rps"] for r in by_c], "o-", label="bare FastAPI")
+    left.plot([r["concurrency"] for r in by_c], [r["ours_rps"] for r in by_c], "o-", label="with idem_asgi (memory)")
+    left.set_xscale("log", base=2)
+    left.set_xlabel("concurrency (1 KiB bodies, new key per request)")
+    left.set_ylabel("requests/s")
+    left.legend()
+    by_b = [r for r in rows if r["concurrency"] == 8]
+    sizes = [r["body_bytes"] / 1024 for r in by_b]
+    right.plot(sizes, [r["ratio"] for r in by_b], "o-")
+    right.set_xscale("log", base=2)
+    right.set_ylim(0, 1.1)
+    right.set_xlabel("request body, KiB (concurrency 8)")
+    right.set_ylabel("ours / bare requests/s")
+    fig.suptitle(f"idem_asgi scale curve, {datetime.date.today()}, {platform.machine()}, 2-core VM")
+    fig.tight_layout()
+    CHART.parent.mkdir(exist_ok=True)
+    fig.savefig(CHART, dpi=90)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=100_000, help="rows for the large Postgres table")
+    args = parser.parse_args(argv)
+    OUT.mkdir(parents=True, exist_ok=True)
+    sections = [
+        run("Store round trips", ["benchmarks.bench_roundtrips"]),
+        run("Overhead", ["benchmarks.bench_overhead", "--quick"]),
+        run("Retry storms vs strawman", ["benchmarks.bench_storm", "--quick"]),
+        run("Large Postgres table", ["benchmarks.bench_postgres_table", "--rows", str(args.rows)]),
+    ]
+    print("== Scale curve: python -m benchmarks.bench_scale --json", flush=True)
+    scale = subprocess.run([sys.executable, "-m", "benchmarks.bench_scale", "--json"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=900)
+    rows = [json.loads(line) for line in scale.stdout.splitlines() if line.startswith("{")]
+    sections.append("## Scale curve\n\n```\n" + "\n".join(json.dumps(r) for r in rows) + "\n```\n")
+    curve = [r for r in rows if "concurrency" in r]
+    if curve:
+        try:
+            chart(curve)
+            print(f"chart: {CHART.relative_to(ROOT)}")
+        except ImportError:
+            print('no chart: pip install "idem-asgi[bench]" (matplotlib)')
+    report = OUT / "report.md"
+    report.write_text(f"# Benchmarks, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
+                      + "\n".join(sections))
+    print(f"report: {report.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
