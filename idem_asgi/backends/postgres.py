@@ -27,6 +27,7 @@ import msgspec
 from ..errors import BackendError, BackendUnavailable, ConfigurationError
 from ..records import COMPLETED, IN_PROGRESS, Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
 from ..records import StaleRecord as StaleRecord  # re-exported: it was defined here before records.py
+from ._orphans import OrphanSweeper
 
 try:
     import asyncpg
@@ -34,8 +35,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("PostgresBackend needs asyncpg: pip install 'idem-asgi[postgres]'") from exc
 
 logger = logging.getLogger("idem_asgi")
-_MAX_ORPHANS: Final = 10_000
-_ORPHAN_BATCH: Final = 100
 _IDENT: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 _headers_encode = msgspec.msgpack.Encoder().encode
 _headers_decode = msgspec.msgpack.Decoder(list[tuple[bytes, bytes]]).decode
@@ -134,8 +133,7 @@ class PostgresBackend:
         self._pool_options: dict[str, Any] = {}
         self._owned = False
         self._lock = anyio.Lock()
-        self._orphans: dict[tuple[RecordKey, int], list[Any]] = {}
-        self._sweeper: asyncio.Task[None] | None = None
+        self._orphans = OrphanSweeper(self._abandon_claim)
         self._releasing: set[asyncio.Task[Any]] = set()
         t = self.table
         # Claim-or-read in one statement that takes no lock and writes nothing unless it claims:
@@ -381,7 +379,7 @@ ORDER BY lease_until LIMIT $2"""
             # No answer, so the caller answers 503 and never runs the app, yet the INSERT may have
             # committed: without a sweep that ghost claim would block the key (409, then
             # outcome-unknown) for a whole TTL though nothing ran.
-            self._orphan(key, token, ttl)
+            self._orphans.add((key, token), ttl)
             raise
 
     async def takeover(
@@ -537,55 +535,18 @@ ORDER BY lease_until LIMIT $2"""
         """Claims whose reply was lost and that are not yet known to be gone from the table."""
         return len(self._orphans)
 
-    def _orphan(self, key: RecordKey, token: int, ttl: float) -> None:
-        if len(self._orphans) >= _MAX_ORPHANS:
-            logger.warning("idem_asgi: %d unanswered claims pending; not tracking more", len(self._orphans))
-            return
-        self._orphans[(key, token)] = [monotonic() + ttl, False]
-        if self._sweeper is None or self._sweeper.done():
-            with contextlib.suppress(RuntimeError):  # no running loop: nothing to sweep with
-                self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
-
-    async def _sweep(self) -> None:
-        """Delete unanswered claims, fenced by their token and state, once Postgres answers again.
-
-        An absent row is checked once more after a pause before it is forgotten, in case the
-        claim statement was still running on the server when its connection was lost.
-        """
-        delay = 0.05
-        while self._orphans:
-            await asyncio.sleep(delay)
-            now = monotonic()
-            for entry in [e for e, state in self._orphans.items() if state[0] <= now]:
-                del self._orphans[entry]
-            batch = list(self._orphans.items())[:_ORPHAN_BATCH]
-            failed = False
-            for entry, state in batch:
-                (key, token) = entry
-                try:
-                    pool = await self._get_pool()
-                    args = (key.namespace, key.scope, key.key, token)
-                    status = await self._run(pool, "execute", self._sql_release, *args)
-                except Exception:
-                    failed = True
-                    break
-                if status == "DELETE 1" or state[1]:
-                    if status == "DELETE 1":
-                        logger.info("idem_asgi: removed an unanswered claim on key %r", key.key)
-                    self._orphans.pop(entry, None)
-                else:
-                    state[1] = True  # absent: look once more next round
-            delay = min(delay * 2, 2.0) if failed else 0.5
+    async def _abandon_claim(self, entry: tuple[RecordKey, int]) -> bool:
+        key, token = entry
+        pool = await self._get_pool()
+        status = await self._run(pool, "execute", self._sql_release, key.namespace, key.scope, key.key, token)
+        if status == "DELETE 1":
+            logger.info("idem_asgi: removed an unanswered claim on key %r", key.key)
+            return True
+        return False
 
     async def aclose(self) -> None:
         """Stop the sweep and close the pool if `from_dsn` made it (after connections still being handed back)."""
-        sweeper, self._sweeper = self._sweeper, None
-        if sweeper is not None and not sweeper.done():
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweeper
-        if self._orphans:
-            logger.warning("idem_asgi: closing with %d unanswered claims not yet removed", len(self._orphans))
+        await self._orphans.aclose()
         if self._releasing:
             await asyncio.gather(*self._releasing, return_exceptions=True)
         if self._owned and self._pool is not None:

@@ -28,7 +28,6 @@ import contextlib
 import logging
 import random
 import re
-import time
 from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Any, Final
@@ -47,6 +46,7 @@ from ..records import (
     decode_response,
     encode_response,
 )
+from ._orphans import OrphanSweeper
 
 try:
     import redis.asyncio as aioredis
@@ -160,8 +160,6 @@ return {1, now, cur[1], cur[2], cur[3], cur[4], cur[5], cur[6]}
 _STALE_FIELDS: Final = ("s", "f", "t", "l", "e", "n", "o", "k")
 _DIGEST: Final = re.compile(rb"[0-9a-f]{64}")
 
-_MAX_ORPHANS: Final = 10_000
-_ORPHAN_BATCH: Final = 100
 
 # Errors that mean "Redis did not answer (in time)": the command may or may not have run.
 _UNAVAILABLE: Final = (
@@ -263,8 +261,7 @@ class RedisBackend:
         self._extend = register(EXTEND)
         self._read = register(READ)
         # (redis key, token) -> [give-up time (monotonic), seen absent once]
-        self._orphans: dict[tuple[str, int], list[Any]] = {}
-        self._sweeper: asyncio.Task[None] | None = None
+        self._orphans = OrphanSweeper(self._abandon_claim)
 
     @classmethod
     def from_url(
@@ -374,7 +371,7 @@ class RedisBackend:
             reply = await self._call(self._claim, name, fingerprint, token, _ms(lease), _ms(ttl), *_names(key))
         except BaseException:
             # No answer, so the caller will not run the app; the claim may still land.
-            self._orphan(name, token, ttl)
+            self._orphans.add((name, token), ttl)
             raise
         if reply[0] == 1:
             return Claimed(token)
@@ -519,57 +516,16 @@ class RedisBackend:
         """Claims whose reply was lost and that are not yet known to be gone from Redis."""
         return len(self._orphans)
 
-    def _orphan(self, name: str, token: int, ttl: float) -> None:
-        if len(self._orphans) >= _MAX_ORPHANS:
-            logger.warning("idem_asgi: %d unanswered claims pending; not tracking more", len(self._orphans))
-            return
-        self._orphans[(name, token)] = [time.monotonic() + ttl, False]
-        if self._sweeper is None or self._sweeper.done():
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # pragma: no cover - claim always runs in a loop
-                return
-            self._sweeper = loop.create_task(self._sweep())
-
-    async def _sweep(self) -> None:
-        """Delete unanswered claims, fenced by their token, once Redis answers; bounded by each claim's TTL.
-
-        An absent record is confirmed once more after a pause before it is forgotten: by then
-        any earlier claim bytes a stalled server still held have run.
-        """
-        delay = 0.05
-        while self._orphans:
-            await asyncio.sleep(delay)
-            now = time.monotonic()
-            batch = [(entry, state) for entry, state in self._orphans.items() if state[0] > now][:_ORPHAN_BATCH]
-            for entry in [e for e, state in self._orphans.items() if state[0] <= now]:
-                del self._orphans[entry]
-            if not batch:
-                continue
-            replies = await asyncio.gather(
-                *(self._call(self._abandon, name, token) for (name, token), _ in batch), return_exceptions=True
-            )
-            failed = False
-            for (entry, state), reply in zip(batch, replies, strict=True):
-                if isinstance(reply, BaseException):
-                    failed = True
-                elif reply == 0 and not state[1]:
-                    state[1] = True  # absent: look once more next round
-                else:
-                    if reply == 1:
-                        logger.info("idem_asgi: removed an unanswered claim on %s", entry[0])
-                    self._orphans.pop(entry, None)
-            delay = min(delay * 2, 2.0) if failed else 0.5
+    async def _abandon_claim(self, entry: tuple[str, int]) -> bool:
+        name, token = entry
+        reply = await self._call(self._abandon, name, token)
+        if reply == 1:
+            logger.info("idem_asgi: removed an unanswered claim on %s", name)
+        return bool(reply != 0)  # 0: not there (yet?); 1 deleted; -1 someone else's now
 
     async def aclose(self) -> None:
         """Stop the background sweep and close the client if `from_url` made it."""
-        sweeper, self._sweeper = self._sweeper, None
-        if sweeper is not None and not sweeper.done():
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweeper
-        if self._orphans:
-            logger.warning("idem_asgi: closing with %d unanswered claims not yet removed", len(self._orphans))
+        await self._orphans.aclose()
         if self._lean is not None:
             await self._lean.aclose()
         if self._owned:
