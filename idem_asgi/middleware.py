@@ -310,10 +310,6 @@ class IdempotencyMiddleware:
             else:
                 await self._unavailable(route, send)
             return
-        if isinstance(result, Claimed):  # the common case, without the decision table's dispatch
-            self._emit("claimed", route, rkey)
-            await self._run(route, scope, receive, send, rkey, owner, body, result.token)
-            return
         await self._act(route, scope, receive, send, rkey, owner, fingerprint, body, result)
 
     async def _act(
