@@ -133,4 +133,6 @@ def compile_path(pattern: str) -> tuple[str | None, re.Pattern[str] | None]:
         pos = m.end()
     regex += re.escape(body[pos:])
     regex += "(?:/.*)?" if prefix else ""
-    return None, re.compile(regex)
+    # DOTALL: a percent-encoded newline (`/api/a%0Ab`) reaches `scope["path"]` decoded; without it
+    # `.*` stops at the newline, the path matches no policy, and the request runs unprotected.
+    return None, re.compile(regex, re.DOTALL)
