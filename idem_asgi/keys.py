@@ -42,6 +42,22 @@ def parse_key(value: bytes) -> str:
     return value.decode("ascii")
 
 
+def storable_scope(value: str) -> bool:
+    """Whether every store can keep `value` as it is: no NUL (Postgres text refuses it), valid UTF-8.
+
+    Scopes often come from a request header, so a bad one is the client's 400, not a store error.
+    """
+    if "\x00" in value:
+        return False
+    if value.isascii():
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates
+        return False
+    return True
+
+
 def scope_from_header(name: str) -> ScopeFunc:
     """Scope records by a request header set by a trusted proxy (e.g. a tenant or API key id)."""
     raw = name.lower().encode("latin-1")

@@ -23,7 +23,7 @@ from .backends.memory import MemoryBackend
 from .context import STATE_KEY, IdempotencyInfo, _current
 from .errors import BackendError, ConfigurationError
 from .fingerprint import RawBody
-from .keys import MalformedKey, ScopeFunc, parse_key
+from .keys import MalformedKey, ScopeFunc, parse_key, storable_scope
 from .observe import Event, EventName, Observer
 from .policy import RecoverHook, RoutePolicy, compile_path, seconds
 from .records import Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
@@ -299,6 +299,12 @@ class IdempotencyMiddleware:
 
         assert key is not None  # a header key, or a derived one (both checked above)
         owner = route.scope(scope) if route.scope is not None else None
+        if owner is not None and not storable_scope(owner):
+            self._emit("rejected", route, status=400)
+            await problems.send_problem(
+                send, problems.SCOPE_MALFORMED, "The value records are scoped by holds a NUL or is not valid Unicode."
+            )
+            return
         rkey = RecordKey.build(self.namespace, owner, key)
         try:
             result = await self.backend.claim(rkey, fingerprint, lease=route.lease, ttl=route.ttl)

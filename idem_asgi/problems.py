@@ -33,6 +33,7 @@ class ProblemType:
 
 KEY_REQUIRED: Final = ProblemType("key-required", 400, "Idempotency key required")
 KEY_MALFORMED: Final = ProblemType("key-malformed", 400, "Malformed idempotency key")
+SCOPE_MALFORMED: Final = ProblemType("scope-malformed", 400, "Malformed idempotency scope")
 BODY_TOO_LARGE: Final = ProblemType("body-too-large", 413, "Request body too large")
 IN_PROGRESS: Final = ProblemType("request-in-progress", 409, "A request with this key is in progress")
 FINGERPRINT_MISMATCH: Final = ProblemType(
@@ -45,6 +46,7 @@ STORE_UNAVAILABLE: Final = ProblemType("store-unavailable", 503, "Idempotency st
 ALL: Final = (
     KEY_REQUIRED,
     KEY_MALFORMED,
+    SCOPE_MALFORMED,
     BODY_TOO_LARGE,
     IN_PROGRESS,
     FINGERPRINT_MISMATCH,

@@ -928,6 +928,20 @@ async def test_scopes_isolate_keys(backend: Backend, namespace: str) -> None:
     assert acme_again.headers["idempotent-replayed"] == globex_again.headers["idempotent-replayed"] == "true"
 
 
+@pytest.mark.parametrize("tenant", ["acme\x00evil", "acme\udc80"])
+async def test_unstorable_scope_is_400_and_nothing_stored(backend: Backend, namespace: str, tenant: str) -> None:
+    # NUL (from a header) is refused by Postgres text; a lone surrogate (from a scope callable) is
+    # not UTF-8. Every store answers the same 400 instead of Postgres alone answering 503.
+    app = Payments()
+    mw = protect(app, backend, namespace, scope=lambda scope: tenant)
+
+    result = await drive(mw, http_scope(key=KEY), [BODY])
+
+    assert_problem(result, problems.SCOPE_MALFORMED)
+    assert app.calls == 0
+    assert await backend.get(RecordKey.build(namespace, "acme", KEY)) is None
+
+
 async def test_body_at_the_limit_is_accepted(backend: Backend, namespace: str) -> None:
     app = Payments()
     mw = protect(app, backend, namespace, max_body=1000)
