@@ -17,6 +17,7 @@ import anyio
 from . import problems
 from ._capture import Capture
 from ._decide import Action, decide
+from ._late_completions import LateCompletions
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .backends import Backend, backend_from_url
 from .backends.memory import MemoryBackend
@@ -158,6 +159,7 @@ class IdempotencyMiddleware:
                 self._patterns.append(r)
         self._methods = frozenset().union(*(r.methods for r in self.routes)) if self.routes else frozenset()
         self._leases = _Leases(self.backend, self._emit, min((r.lease for r in self.routes), default=30.0) / 3)
+        self._late = LateCompletions(self.backend)
         for r in self.routes:
             if r.scope is None and not r.policy.single_tenant:
                 message = (
@@ -446,20 +448,25 @@ class IdempotencyMiddleware:
 
         async def on_final(response: StoredResponse) -> None:
             renewal.stop()
+            if response.status in route.release_statuses:
+                await self._release(route, rkey, token, response.status)
+                return
             try:
-                if response.status in route.release_statuses:
-                    await backend.release(rkey, token)
-                    self._emit("released", route, rkey, response.status)
-                elif await backend.complete(rkey, token, response, ttl=route.ttl):
-                    self._emit("completed", route, rkey, response.status)
-                else:
-                    logger.warning("idem_asgi: key %r was taken over; this answer was not stored", rkey.key)
-                    self._emit("lease_lost", route, rkey, response.status)
-            except Exception:
+                stored = await backend.complete(rkey, token, response, ttl=route.ttl)
+            except Exception as exc:
                 self._emit("store_error", route, rkey, response.status)
-                # The effect happened and the client gets its answer; the record stays in progress
-                # and its lease expires into outcome-unknown, which recovery resolves. Never release.
-                logger.exception("idem_asgi: could not store the answer for key %r", rkey.key)
+                # The effect happened and the client gets its answer. Never release: retry the write
+                # in the background; if it never lands, the lease expires into outcome-unknown.
+                _store_failed(f"could not store the answer for key {rkey.key!r}; retrying in the background", exc)
+                status = response.status
+                if not self._late.retry(rkey, token, response, route.ttl, lambda n: self._emit(n, route, rkey, status)):
+                    logger.error("idem_asgi: too many answers waiting for the store; key %r is not retried", rkey.key)
+                return
+            if stored:
+                self._emit("completed", route, rkey, response.status)
+            else:
+                logger.warning("idem_asgi: key %r was taken over; this answer was not stored", rkey.key)
+                self._emit("lease_lost", route, rkey, response.status)
 
         capture = Capture(send, on_final, excluded=route.excluded, limit=route.max_stored_body)
         info = IdempotencyInfo(key=rkey.key, scope=owner)
@@ -475,8 +482,7 @@ class IdempotencyMiddleware:
             renewal.stop()
             if not capture.finished:
                 with anyio.CancelScope(shield=True):
-                    await self._release(rkey, token)
-                self._emit("released", route, rkey)
+                    await self._release(route, rkey, token)
             raise
         except BaseException:
             # Cancelled mid-flight: the effect may or may not have happened. Keep the claim; its
@@ -488,14 +494,20 @@ class IdempotencyMiddleware:
             _current.reset(reset)
         renewal.stop()
         if not capture.finished:
-            await self._release(rkey, token)
-            self._emit("released", route, rkey)
+            await self._release(route, rkey, token)
 
-    async def _release(self, rkey: RecordKey, token: int) -> None:
+    async def _release(self, route: _Route, rkey: RecordKey, token: int, status: int | None = None) -> None:
         try:
-            await self.backend.release(rkey, token)
+            released = await self.backend.release(rkey, token)
         except Exception:
+            self._emit("store_error", route, rkey, status)
             logger.exception("idem_asgi: could not release key %r; it stays in progress until its lease ends", rkey.key)
+            return
+        if released:
+            self._emit("released", route, rkey, status)
+        else:
+            logger.warning("idem_asgi: key %r was taken over; it was not released", rkey.key)
+            self._emit("lease_lost", route, rkey, status)
 
     async def _replay(self, send: Send, response: StoredResponse) -> None:
         headers = list(response.headers)

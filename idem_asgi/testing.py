@@ -933,9 +933,9 @@ async def _store_fails(run: _Storm, key: str, repeats: int) -> KeyReport:
         _unexpected(
             kr,
             "retry",
-            _in_progress,
-            "409 request-in-progress or outcome-unknown: the effect happened "
-            "but its answer was not stored, so the claim is kept and never run again",
+            lambda a: _in_progress(a) or a.kind == "replay",
+            "409 request-in-progress or outcome-unknown (the effect happened but its answer was not "
+            "stored, so the claim is kept and never run again), or a replay once a later attempt stored it",
         )
     return kr
 

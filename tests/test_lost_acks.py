@@ -90,8 +90,9 @@ REDIS_CASES = [
     case("complete_reply_lost_reset", "complete", "drop_reply_reset", 1, "first", "completed"),
     case("complete_reply_lost_reset_twice", "complete", "drop_reply_reset", 2, "first", "completed"),
     # The completion never reached the store: the client got its answer, the claim is kept (never
-    # released: the effect happened), and after the lease retries get outcome-unknown.
-    case("complete_request_lost_twice", "complete", "reset_before", 2, "first", "outcome_unknown"),
+    # released: the effect happened) and the middleware writes the answer again in the background
+    # (idem_asgi/_late_completions.py): retries get 409 in progress meanwhile, then replays.
+    case("complete_request_lost_twice", "complete", "reset_before", 2, "first", "completed"),
     case("blackhole_1s", "all", "blackhole", 1, "503", "completed"),
     case("delay_100ms", "all", "delay", 1, "first", "completed"),
 ]
@@ -100,10 +101,9 @@ PG_CASES = [
     # Claim committed, reply lost with the connection: the backend runs the statement again on a
     # fresh connection, finds its own token, and owns the key: the first attempt succeeds.
     case("claim_reply_lost_reset", "claim", "drop_reply_reset", 1, "first", "completed"),
-    # Both replies lost: 503 "not run, retry later", but the committed claim stays behind (the
-    # Postgres backend has no orphan sweep): the retry meets the ghost claim, 409 while its lease
-    # lasts, then outcome-unknown with NOTHING executed. Accepted here (accounted, never twice, not
-    # stuck in progress); reported as a bug and pinned by test_postgres_503_claim_stays_retryable.
+    # Both replies lost: 503 "not run, retry later"; the committed claim stays behind until the
+    # backend's orphan sweep removes it. A retry that meets it gets 409 meanwhile; if the sweep
+    # loses the race with the lease, outcome-unknown with NOTHING executed (accounted, never twice).
     case("claim_reply_lost_reset_twice", "claim", "drop_reply_reset", 2, "503", "completed|outcome_unknown", -1),
     case("claim_reply_lost_silent", "claim", "drop_reply", 1, "503", "completed|outcome_unknown", -1),
     # Execute forwarded without its Sync, then reset: the server rolls the claim back.
@@ -112,7 +112,8 @@ PG_CASES = [
     case("complete_reply_lost_silent", "complete", "drop_reply", 1, "first", "completed"),
     case("complete_reply_lost_reset", "complete", "drop_reply_reset", 1, "first", "completed"),
     case("complete_reply_lost_reset_twice", "complete", "drop_reply_reset", 2, "first", "completed"),
-    case("complete_rolled_back_twice", "complete", "reset_after_forward", 2, "first", "outcome_unknown"),
+    # Rolled back twice: the background retry of the completion stores it on a later attempt.
+    case("complete_rolled_back_twice", "complete", "reset_after_forward", 2, "first", "completed"),
     case("blackhole_1s", "all", "blackhole", 1, "503", "completed"),
     case("delay_100ms", "all", "delay", 1, "first", "completed"),
 ]

@@ -788,6 +788,7 @@ def test_problem_types_are_stable() -> None:
     assert {p.slug: (p.status, p.type) for p in problems.ALL} == {
         "key-required": (400, "urn:idem-asgi:problem:key-required"),
         "key-malformed": (400, "urn:idem-asgi:problem:key-malformed"),
+        "scope-malformed": (400, "urn:idem-asgi:problem:scope-malformed"),
         "body-too-large": (413, "urn:idem-asgi:problem:body-too-large"),
         "request-in-progress": (409, "urn:idem-asgi:problem:request-in-progress"),
         "fingerprint-mismatch": (422, "urn:idem-asgi:problem:fingerprint-mismatch"),

@@ -1,0 +1,183 @@
+"""An answer the store failed to take is written again in the background, fenced by its token.
+
+The network stores are covered under real faults by tests/test_lost_acks.py (completion request
+lost twice, rolled back twice) and tests/test_storm_faults.py; here the store is the memory one
+behind a wrapper that fails on cue, so each branch of the retry is pinned down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from idem_asgi import IdempotencyMiddleware, RoutePolicy, _late_completions
+from idem_asgi._types import Receive, Scope, Send
+from idem_asgi.backends import MemoryBackend
+from idem_asgi.errors import BackendUnavailable
+from idem_asgi.observe import Event
+from idem_asgi.records import COMPLETED, IN_PROGRESS, RecordKey, StoredResponse
+from tests.asgi import Result, drive, http_scope
+
+pytestmark = pytest.mark.memory
+
+KEY = "late-1"
+
+
+class Charge:
+    """Counts executions; each answers 201 with its own charge number."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        while (await receive()).get("more_body"):
+            pass
+        self.calls += 1
+        body = json.dumps({"charge": self.calls}).encode()
+        await send({"type": "http.response.start", "status": 201, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class FlakyStore(MemoryBackend):
+    """`complete` fails the next `failures` times: before writing, or (`lose_reply`) after writing."""
+
+    def __init__(self, failures: int, *, lose_reply: bool = False) -> None:
+        super().__init__()
+        self.failures = failures
+        self.lose_reply = lose_reply
+        self.completes = 0
+
+    async def complete(self, key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
+        self.completes += 1
+        if self.failures > 0:
+            self.failures -= 1
+            if self.lose_reply:
+                await super().complete(key, token, response, ttl=ttl)
+            raise BackendUnavailable("injected: completion failed")
+        return await super().complete(key, token, response, ttl=ttl)
+
+
+def protect(app: Any, store: MemoryBackend, events: list[Event]) -> IdempotencyMiddleware:
+    return IdempotencyMiddleware(
+        app, backend=store, routes=[RoutePolicy("/payments", single_tenant=True)], observer=events.append
+    )
+
+
+async def post(mw: IdempotencyMiddleware) -> Result:
+    return await drive(mw, http_scope(key=KEY), [b'{"amount":1}'])
+
+
+async def settled(mw: IdempotencyMiddleware) -> None:
+    """Wait until the middleware's background writes are done."""
+    tasks = set(mw._late._tasks)
+    if tasks:
+        await asyncio.wait(tasks, timeout=5)
+    assert mw._late.pending == 0
+
+
+def record_key() -> RecordKey:
+    return RecordKey.build("idem", None, KEY)
+
+
+async def test_failed_completion_is_stored_by_a_later_attempt_and_then_replayed() -> None:
+    app, store, events = Charge(), FlakyStore(failures=2), []
+    mw = protect(app, store, events)
+
+    first = await post(mw)
+    assert first.status == 201  # the client gets its answer although the store failed
+    meanwhile = await post(mw)
+    assert meanwhile.status == 409 and b"request-in-progress" in meanwhile.body  # claim kept, not run again
+
+    await settled(mw)
+    replay = await post(mw)
+
+    assert app.calls == 1
+    assert store.completes == 3  # two failures, then the background write
+    assert replay.header("idempotent-replayed") == b"true" and replay.body == first.body
+    record = await store.get(record_key())
+    assert record is not None and record.state == COMPLETED
+    names = Counter(e.name for e in events)
+    assert names["store_error"] == 1 and names["completed"] == 1
+
+
+async def test_completion_whose_reply_was_lost_is_recognised_not_rewritten() -> None:
+    # The first write landed, its reply did not: the retry's write is refused (no longer in
+    # progress) and the record read back shows our own token, so it counts as stored.
+    app, store, events = Charge(), FlakyStore(failures=1, lose_reply=True), []
+    mw = protect(app, store, events)
+
+    first = await post(mw)
+    await settled(mw)
+    replay = await post(mw)
+
+    assert app.calls == 1 and store.completes == 2
+    assert replay.body == first.body and replay.header("idempotent-replayed") == b"true"
+    assert [e.name for e in events].count("completed") == 1
+    assert "lease_lost" not in [e.name for e in events]
+
+
+async def test_a_takeover_meanwhile_fences_the_late_write_off(caplog: pytest.LogCaptureFixture) -> None:
+    app, store, events = Charge(), FlakyStore(failures=1), []
+    mw = protect(app, store, events)
+    gate = asyncio.Event()
+    original = store.complete
+
+    async def complete_after_takeover(key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
+        if store.completes == 1:  # the background attempt: another holder takes the key over first
+            current = await store.get(key)
+            assert current is not None and current.state == IN_PROGRESS
+            await store.release(key, token)
+            claimed = await store.claim(key, b"other", lease=30, ttl=60)
+            assert claimed.token != token
+            gate.set()
+        return await original(key, token, response, ttl=ttl)
+
+    store.complete = complete_after_takeover  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="idem_asgi"):
+        first = await post(mw)
+        await settled(mw)
+
+    assert first.status == 201 and gate.is_set()
+    record = await store.get(record_key())
+    assert record is not None and record.state == IN_PROGRESS and record.fingerprint == b"other"
+    assert [e.name for e in events][-1] == "lease_lost"
+    assert "was taken over; this answer was not stored" in caplog.text
+
+
+async def test_gives_up_after_the_window_and_leaves_the_claim(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(_late_completions, "WINDOW", 0.3)
+    app, store, events = Charge(), FlakyStore(failures=10**6), []
+    mw = protect(app, store, events)
+
+    with caplog.at_level(logging.ERROR, logger="idem_asgi"):
+        first = await post(mw)
+        await settled(mw)
+
+    assert first.status == 201 and app.calls == 1
+    assert 2 <= store.completes < 10  # backoff, not a busy loop
+    record = await store.get(record_key())
+    assert record is not None and record.state == IN_PROGRESS  # never released: the effect happened
+    assert "gave up storing the answer" in caplog.text
+    assert mw._late._pending_bytes == 0
+
+
+async def test_pending_answers_are_bounded_in_bytes(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(_late_completions, "MAX_PENDING_BYTES", 10)
+    app, store, events = Charge(), FlakyStore(failures=1), []
+    mw = protect(app, store, events)
+
+    with caplog.at_level(logging.ERROR, logger="idem_asgi"):
+        first = await post(mw)
+
+    assert first.status == 201
+    assert mw._late.pending == 0 and store.completes == 1  # nothing retried: over the bound
+    assert "too many answers waiting for the store" in caplog.text
