@@ -24,7 +24,12 @@ keys die at the very same point), or `IDEM_CRASH_WAIT` seconds after the first o
 Other variables: `IDEM_CRASH_BACKEND` (store URL), `IDEM_CRASH_NAMESPACE` (middleware namespace and
 Redis key prefix), `IDEM_CRASH_TABLE` (Postgres table), `IDEM_CRASH_LEDGER` (ledger URL),
 `IDEM_CRASH_RUN` (ledger run id), `IDEM_CRASH_LEASE`, `IDEM_CRASH_TTL`, `IDEM_CRASH_DELAY`
-(handler sleep, s), `IDEM_CRASH_POOL` (connection pool size per worker, for the store and the ledger each).
+(handler sleep, s), `IDEM_CRASH_POOL` (connection pool size per worker, for the store and the ledger each),
+`IDEM_CRASH_ON_EXPIRED` (the route's recovery policy, `block` (default) or `reclaim`),
+`IDEM_CRASH_FAIL_KEYS` (a key prefix: the handler answers 500 instead of 201 to keys that start with
+it, after its ledger write and sleep, so the middleware releases the claim), `IDEM_CRASH_TRACE` (a
+file: every store call after the claim's result is appended to it as one JSON line: op, key,
+token, result, wall time; see `Tracer`). Unset, each behaves as before they existed.
 
 Importing this module has no side effect: the app is built at lifespan start-up.
 """
@@ -40,7 +45,9 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Literal
 
 from idem_asgi import IdempotencyMiddleware, RoutePolicy
 from idem_asgi._types import ASGIApp, Message, Receive, Scope, Send
@@ -86,12 +93,58 @@ class Crasher:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-class CrashingBackend:
-    """Implements the Backend protocol around a real store, with crash points around claim and complete."""
+Trace = Callable[[dict[str, Any]], None]
 
-    def __init__(self, inner: Backend, crasher: Crasher) -> None:
+
+class Tracer:
+    """A `Trace` that appends each store call as one JSON line to a file (read by the test that set it)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, entry: dict[str, Any]) -> None:
+        line = (json.dumps(entry) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)  # one write of one short line with O_APPEND: never interleaved
+        finally:
+            os.close(fd)
+
+
+def read_trace(path: Path) -> list[dict[str, Any]]:
+    """The entries a `Tracer` wrote (none when the file does not exist)."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+class CrashingBackend:
+    """Implements the Backend protocol around a real store, with crash points around claim and complete.
+
+    With `trace`, every call is reported (after it returned) as `{"op", "key", "token", "result",
+    "sent", "at", "pid"}`: `token` is the fencing token the call carried (claim, takeover: the token
+    it got or found), `result` True/False for the fenced writes, `claimed`/`existing` for claims, or
+    `error` when the store failed; `sent` and `at` are the wall-clock times the call was made and
+    returned.
+    """
+
+    def __init__(self, inner: Backend, crasher: Crasher, trace: Trace | None = None) -> None:
         self.inner = inner
         self.crasher = crasher
+        self.trace = trace
+
+    def _trace(self, op: str, key: RecordKey, token: int | None, result: object, sent: float) -> None:
+        if self.trace is not None:
+            entry = {"op": op, "key": key.key, "token": token, "result": result, "sent": sent, "at": time.time()}
+            self.trace({**entry, "pid": os.getpid()})
+
+    def _traced_claim(self, op: str, key: RecordKey, result: ClaimResult, sent: float) -> None:
+        if isinstance(result, Claimed):
+            self._trace(op, key, result.token, "claimed", sent)
+        else:
+            self._trace(op, key, result.record.token, "existing", sent)
 
     async def setup(self) -> None:
         setup = getattr(self.inner, "setup", None)
@@ -99,7 +152,13 @@ class CrashingBackend:
             await setup()
 
     async def claim(self, key: RecordKey, fingerprint: bytes, *, lease: float, ttl: float) -> ClaimResult:
-        result = await self.inner.claim(key, fingerprint, lease=lease, ttl=ttl)
+        sent = time.time()
+        try:
+            result = await self.inner.claim(key, fingerprint, lease=lease, ttl=ttl)
+        except Exception:
+            self._trace("claim", key, None, "error", sent)
+            raise
+        self._traced_claim("claim", key, result, sent)
         if isinstance(result, Claimed):
             await self.crasher.reached("after_claim")
         return result
@@ -107,19 +166,46 @@ class CrashingBackend:
     async def takeover(
         self, key: RecordKey, stale_token: int, fingerprint: bytes, *, lease: float, ttl: float
     ) -> ClaimResult:
-        return await self.inner.takeover(key, stale_token, fingerprint, lease=lease, ttl=ttl)
+        sent = time.time()
+        try:
+            result = await self.inner.takeover(key, stale_token, fingerprint, lease=lease, ttl=ttl)
+        except Exception:
+            self._trace("takeover", key, None, "error", sent)
+            raise
+        self._traced_claim("takeover", key, result, sent)
+        return result
 
     async def complete(self, key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
         await self.crasher.reached("before_store")
-        stored = await self.inner.complete(key, token, response, ttl=ttl)
+        sent = time.time()
+        try:
+            stored = await self.inner.complete(key, token, response, ttl=ttl)
+        except Exception:
+            self._trace("complete", key, token, "error", sent)
+            raise
+        self._trace("complete", key, token, stored, sent)
         await self.crasher.reached("after_store")
         return stored
 
     async def release(self, key: RecordKey, token: int) -> bool:
-        return await self.inner.release(key, token)
+        sent = time.time()
+        try:
+            released = await self.inner.release(key, token)
+        except Exception:
+            self._trace("release", key, token, "error", sent)
+            raise
+        self._trace("release", key, token, released, sent)
+        return released
 
     async def extend(self, key: RecordKey, token: int, *, lease: float) -> bool:
-        return await self.inner.extend(key, token, lease=lease)
+        sent = time.time()
+        try:
+            held = await self.inner.extend(key, token, lease=lease)
+        except Exception:
+            self._trace("extend", key, token, "error", sent)
+            raise
+        self._trace("extend", key, token, held, sent)
+        return held
 
     async def get(self, key: RecordKey) -> Record | None:
         return await self.inner.get(key)
@@ -129,12 +215,16 @@ class CrashingBackend:
 
 
 class Handler:
-    """POST /pay: ledger write, sleep, 201 with a fresh id in two chunks. GET /health: the pid."""
+    """POST /pay: ledger write, sleep, 201 with a fresh id in two chunks. GET /health: the pid.
 
-    def __init__(self, ledger: Ledger, crasher: Crasher, delay: float) -> None:
+    A key starting with `fail_keys` (when set) is answered 500 instead, with the same body shape.
+    """
+
+    def __init__(self, ledger: Ledger, crasher: Crasher, delay: float, fail_keys: str | None = None) -> None:
         self.ledger = ledger
         self.crasher = crasher
         self.delay = delay
+        self.fail_keys = fail_keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         while (await receive()).get("more_body", False):
@@ -148,7 +238,8 @@ class Handler:
         if self.delay:
             await asyncio.sleep(self.delay)
         body = json.dumps({"key": key, "payment": uuid.uuid4().hex, "pid": os.getpid()}).encode()
-        await self._answer(send, 201, body)
+        failed = self.fail_keys is not None and key.startswith(self.fail_keys)
+        await self._answer(send, 500 if failed else 201, body)
 
     @staticmethod
     async def _answer(send: Send, status: int, body: bytes) -> None:
@@ -219,15 +310,18 @@ def build(
     lease: float = 1.0,
     ttl: float = 300.0,
     delay: float = 0.02,
+    on_expired: Literal["block", "reclaim"] = "block",
+    fail_keys: str | None = None,
+    trace: Trace | None = None,
 ) -> tuple[ASGIApp, CrashingBackend]:
     """The whole stack, outermost first: CrashGate -> IdempotencyMiddleware(CrashingBackend) -> Handler."""
     crasher = Crasher(point, after, wait)
-    backend = CrashingBackend(store, crasher)
+    backend = CrashingBackend(store, crasher, trace)
+    policy = RoutePolicy(
+        "/pay", methods=["POST"], required=True, single_tenant=True, lease=lease, ttl=ttl, on_expired=on_expired
+    )
     protected = IdempotencyMiddleware(
-        Handler(ledger, crasher, delay),
-        backend=backend,
-        routes=[RoutePolicy("/pay", methods=["POST"], required=True, single_tenant=True, lease=lease, ttl=ttl)],
-        namespace=namespace,
+        Handler(ledger, crasher, delay, fail_keys), backend=backend, routes=[policy], namespace=namespace
     )
     return CrashGate(protected, crasher), backend
 
@@ -269,6 +363,9 @@ class _LazyApp:
                     lease=float(env.get("IDEM_CRASH_LEASE", "1")),
                     ttl=float(env.get("IDEM_CRASH_TTL", "300")),
                     delay=float(env.get("IDEM_CRASH_DELAY", "0.02")),
+                    on_expired="reclaim" if env.get("IDEM_CRASH_ON_EXPIRED") == "reclaim" else "block",
+                    fail_keys=env.get("IDEM_CRASH_FAIL_KEYS") or None,
+                    trace=Tracer(env["IDEM_CRASH_TRACE"]) if env.get("IDEM_CRASH_TRACE") else None,
                 )
                 await self.backend.setup()
                 await send({"type": "lifespan.startup.complete"})

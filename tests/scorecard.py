@@ -290,12 +290,17 @@ class PostgresLedger:
         self.run = run
         self.max_size = max_size
         self.pool: Any = None
+        self._creating: asyncio.Lock | None = None
 
     async def _pool(self) -> Any:
         if self.pool is None:
             import asyncpg
 
-            self.pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=self.max_size)
+            # One pool, however many first incr() calls race here (each would create its own).
+            self._creating = self._creating or asyncio.Lock()
+            async with self._creating:
+                if self.pool is None:
+                    self.pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=self.max_size)
         return self.pool
 
     async def setup(self) -> None:

@@ -5,7 +5,9 @@
 (c) the server is stopped, or frozen (SIGSTOP: connections open, nothing answers).
 
 Each time: every answer is 201 (first or replay), 409 or 503, never 500; no key runs twice; and
-the same middleware object serves new keys normally once the server is back.
+the same middleware object serves new keys normally once the server is back. (a) and (b) print one
+scorecard line each (tests/scorecard.py) over the storm keys: the storm, then one more request
+per key after the fault.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from idem_asgi import IdempotencyMiddleware, RoutePolicy
 from idem_asgi._types import Receive, Scope, Send
 from idem_asgi.backends.postgres import PostgresBackend
 from tests.pg_cluster import Cluster, throwaway_cluster
+from tests.scorecard import Answer, Scorecard, final_state
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
@@ -80,9 +83,13 @@ class Rig:
         self.app = IdempotencyMiddleware(self.ledger, backend=self.backend, routes=[policy])
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://test")
         self.first: dict[str, bytes] = {}  # the body of each key's first (non-replayed) 201
+        self.card: Scorecard | None = None  # when set, every answer to a storm key is scored
 
     async def post(self, key: str) -> httpx.Response:
+        started = time.monotonic()
         r = await self.client.post("/pay", content=b'{"amount": 100}', headers={"Idempotency-Key": key})
+        if self.card is not None and key.startswith("storm-"):
+            self.card.add(Answer(key, r.status_code, list(r.headers.raw), r.content, time.monotonic() - started))
         assert r.status_code in (201, 409, 503), (r.status_code, r.text)
         if r.status_code == 201:
             if r.headers.get("idempotent-replayed") == "true":
@@ -136,6 +143,21 @@ class Rig:
         self.assert_at_most_once()
         return Counter(str(r.status_code) for r in fresh), again
 
+    def scorecard(self, fault: str, count: int, extra: dict[str, object]) -> dict[str, object]:
+        """Print the scorecard of the storm keys. A key whose completion was lost in the fault (it ran,
+        its answer was not stored) still answers 409 request-in-progress until its 30 s lease ends and
+        `outcome-unknown` after: it is scored as outcome-unknown and counted in `in_lease_at_end`."""
+        assert self.card is not None
+        self.card.fault(fault, count)
+        grouped = self.card.by_key()
+        runs = {k: self.ledger.runs.get(k, 0) for k in grouped}
+        final = {k: final_state(answers) for k, answers in grouped.items()}
+        in_lease = [k for k, state in final.items() if state == "stuck_in_progress" and runs[k] == 1]
+        final.update(dict.fromkeys(in_lease, "outcome_unknown"))
+        latency_ms = round(max(a.latency for a in self.card.answers) * 1000)
+        extra = {**extra, "in_lease_at_end": len(in_lease), "max_latency_ms": latency_ms}
+        return self.card.finish(runs, final=final, extra=extra)
+
     async def aclose(self) -> None:
         await self.client.aclose()
         await self.backend.aclose()
@@ -169,6 +191,7 @@ async def test_terminated_connections_mid_storm(cluster: Cluster, rig: Rig) -> N
             )
             await asyncio.sleep(0.1)
 
+    rig.card = Scorecard("storm_fault_postgres_terminate_backend", "postgres", seed=1953, keys=KEYS, dup_per_key=DUPS)
     try:
         started = time.monotonic()
         answers = await rig.storm(terminate_three_times, at=0.15)
@@ -179,6 +202,7 @@ async def test_terminated_connections_mid_storm(cluster: Cluster, rig: Rig) -> N
     assert terminated > 0
     assert answers["201"] <= KEYS
     fresh, again = await rig.after_the_fault()
+    rig.scorecard("pg_terminate_backend", terminated, {"backend_timeout_s": rig.backend.timeout})
     print(
         f"\n[terminate] {terminated} backends killed; storm of {KEYS * DUPS} in {took:.2f}s: {dict(answers)}; "
         f"executions {sum(rig.ledger.runs.values())} over {len(rig.ledger.runs)} keys; "
@@ -195,12 +219,16 @@ async def test_immediate_restart_mid_storm(cluster: Cluster, rig: Rig) -> None:
         await asyncio.to_thread(cluster.restart)
         restart_took = time.monotonic() - started
 
+    rig.card = Scorecard("storm_fault_postgres_restart_immediate", "postgres", seed=1953, keys=KEYS, dup_per_key=DUPS)
     started = time.monotonic()
     answers = await rig.storm(restart, at=0.2, spread=1.2)
     took = time.monotonic() - started
     rig.assert_at_most_once()
     assert answers["201"] <= KEYS
     fresh, again = await rig.after_the_fault()
+    rig.scorecard(
+        "pg_restart_immediate", 1, {"backend_timeout_s": rig.backend.timeout, "restart_s": round(restart_took, 2)}
+    )
     print(
         f"\n[restart] pg_ctl restart -m immediate took {restart_took:.2f}s; storm of {KEYS * DUPS} in {took:.2f}s: "
         f"{dict(answers)}; executions {sum(rig.ledger.runs.values())} over {len(rig.ledger.runs)} keys; "
