@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Set up a local virtualenv and run the demo, the checks or every benchmark: `python3 dev.py demo|test|bench`.
+"""Set up a local virtualenv and run a job in it: `python3 dev.py demo|test|bench|soak`.
 
 Needs nothing but Python 3.10+: it creates `.venv`, installs the package with its `dev`
-extra (again only when pyproject.toml changed), then runs the job inside it.
+extra (again only when pyproject.toml changed), then runs the job inside it. `soak` is
+`python -m tests.soak` (the retry storms with 20 seeds, time-capped; `python3 dev.py soak --help`).
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ def main(argv: list[str]) -> int:
         return run("-m", "pytest", *rest)
     if job == "bench":
         return run("-m", "benchmarks.run_all", *rest)
-    print(f"usage: python3 dev.py demo|test|bench [args...]; unknown job {job!r}", file=sys.stderr)
+    if job == "soak":
+        return run("-m", "tests.soak", *rest)
+    print(f"usage: python3 dev.py demo|test|bench|soak [args...]; unknown job {job!r}", file=sys.stderr)
     return 2
 
 

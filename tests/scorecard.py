@@ -206,13 +206,19 @@ class Scorecard:
             card["unaccounted"] = unaccounted[:20]
         if extra:
             card.update(extra)
-        line = json.dumps(card, sort_keys=False)
-        print(f"\nSCORECARD {line}")
-        path = os.environ.get("IDEM_SCORECARD_FILE")
-        if path:
-            with open(path, "a", encoding="utf-8") as out:
-                out.write(line + "\n")
+        report(card)
         return card
+
+
+def report(line: Mapping[str, Any], tag: str = "SCORECARD") -> None:
+    """Print one result line and append it to `IDEM_SCORECARD_FILE` (suites without a Scorecard:
+    the model, the bad-input properties, the bounds), so the README table covers them too."""
+    text = json.dumps(line)
+    print(f"\n{tag} {text}")
+    path = os.environ.get("IDEM_SCORECARD_FILE")
+    if path:
+        with open(path, "a", encoding="utf-8") as out:
+            out.write(text + "\n")
 
 
 def assert_zero_tolerance(card: Mapping[str, Any]) -> None:

@@ -623,3 +623,37 @@ async def test_setup_refuses_a_pool_that_is_not_read_committed() -> None:
     async with PostgresBackend.from_dsn(POSTGRES_DSN, table=fresh_table(), min_size=1, max_size=1) as b:
         await b.setup()  # from_dsn pins its sessions to READ COMMITTED
         await drop(b.table)
+
+
+# --- fair turns at the pool (asyncpg's own queue lets newcomers barge past waiters) ---------------
+
+
+async def test_turns_go_to_the_longest_waiter_and_skip_the_ones_that_gave_up() -> None:
+    from idem_asgi.backends.postgres import _Turns
+
+    turns = _Turns(1)
+    await turns.take(1.0)  # the only turn
+    order: list[str] = []
+
+    async def wait(name: str, within: float) -> None:
+        try:
+            await turns.take(within)
+        except TimeoutError:
+            order.append(name + " timed out")
+            return
+        order.append(name)
+        turns.give_back()
+
+    first = asyncio.create_task(wait("first", 5))
+    impatient = asyncio.create_task(wait("impatient", 0.01))
+    cancelled = asyncio.create_task(wait("cancelled", 5))
+    await asyncio.sleep(0.05)
+    cancelled.cancel()
+    last = asyncio.create_task(wait("last", 5))
+    await asyncio.sleep(0)
+    turns.give_back()
+    # A newcomer arriving now queues behind the waiters instead of taking the turn.
+    newcomer = asyncio.create_task(wait("newcomer", 5))
+    await asyncio.gather(first, impatient, last, newcomer, return_exceptions=True)
+    assert order == ["impatient timed out", "first", "last", "newcomer"]
+    await turns.take(0.01)  # every turn came back: one free again

@@ -50,6 +50,7 @@ from tests.hostile import (
     scope_of,
     status_of,
 )
+from tests.scorecard import report
 
 # 1,000 per property on memory; the network stores cost 2-3x more per example and see the same
 # inputs only after the middleware has judged them, so they get fewer by default.
@@ -176,6 +177,11 @@ key_lines = st.one_of(
 )
 
 
+def summary(test: str, store: Store, seen: dict[str, int], examples: int) -> None:
+    """One result line per property and store; reached only when every example held (no 5xx)."""
+    report({"test": test, "backend": store.name, "examples": examples, **seen, "5xx": 0}, "PROPERTY")
+
+
 def test_key_header_values(store: Store) -> None:
     namespace = store.namespace()
     recorder = Recorder(store.backend)
@@ -225,6 +231,7 @@ def test_key_header_values(store: Store) -> None:
 
     check()
     assert store.run(store.count(namespace)) == seen["valid"]
+    summary("bad_input_keys", store, seen, sum(seen.values()))
     assert min(seen.values()) > 0.05 * EXAMPLES[store.name], seen  # every class was really tried
 
 
@@ -390,6 +397,7 @@ def test_bodies(store: Store) -> None:
 
     check()
     assert store.run(store.count(namespace)) == seen["run"]
+    summary("bad_input_bodies", store, seen, sum(seen.values()))
     assert min(seen.values()) > 0.05 * EXAMPLES[store.name], seen
 
 
@@ -565,6 +573,7 @@ def test_methods_and_paths(store: Store) -> None:
     finally:
         mw.app = app
     assert store.run(store.count(namespace)) == seen["stored"]
+    summary("bad_input_methods_paths", store, seen, seen["protected"] + seen["passed"])
     assert min(seen.values()) > 0.05 * EXAMPLES[store.name], seen
 
 

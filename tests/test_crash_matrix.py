@@ -2,8 +2,8 @@
 
 Per backend (Redis, Postgres) and per crash point of `tests/crash_app.py` (before the claim, after
 the claim, mid-handler, after the handler before the store write, after the store write, after the
-store write before anything was sent, mid-send): one worker with that crash point gets 5 keys at
-once; the 5 requests meet at the crash point (a barrier) and the worker kills itself with SIGKILL.
+store write before anything was sent, mid-send): one worker with that crash point gets 20 keys at
+once; the 20 requests meet at the crash point (a barrier) and the worker kills itself with SIGKILL.
 Lease 1 s. Once the lease is over, a worker that never crashes retries each key (3 times, plus
 more while it still answers request-in-progress, bounded), and the ledger says what really ran.
 
@@ -43,7 +43,7 @@ from tests.servers import POSTGRES_DSN, REDIS_URL, require
 pytestmark = pytest.mark.slow
 
 TABLE = "idem_reliability_records"
-KEYS_PER_POINT = 5
+KEYS_PER_POINT = 20
 LEASE = 1.0
 RETRIES = 3
 PARALLEL_STARTS = 4  # worker start-ups at once (2 shared cores)

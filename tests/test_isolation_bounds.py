@@ -52,6 +52,7 @@ from tests.hostile import (
     open_store,
     scope_of,
 )
+from tests.scorecard import report
 
 ROOT = Path(__file__).resolve().parent.parent
 ISOLATION_EXAMPLES = {"memory": 300, "redis": 150, "postgres": 150}
@@ -150,6 +151,8 @@ def test_two_scopes_never_see_each_others_records_or_bytes(store: Store) -> None
 
     check()
     assert store.run(store.count(namespace)) == runs
+    line = {"test": "two_scopes_one_key", "backend": store.name, "pairs": runs // 2, "cross_scope_leaks": 0}
+    report(line, "PROPERTY")
 
 
 @pytest.mark.parametrize("rounds", [10])
@@ -351,7 +354,7 @@ def test_a_flood_of_100k_keys_cannot_grow_the_memory_store_past_its_bound() -> N
             assert record is not None and record.state == COMPLETED
 
     asyncio.run(scenario())
-    print("FLOOD", json.dumps(figures))
+    report({"test": "flood_100k_keys", "backend": "memory", **figures}, "FLOOD")
 
 
 @pytest.mark.memory
@@ -491,7 +494,8 @@ def child(mode: str) -> dict[str, Any]:
 def test_a_100_mib_body_is_refused_before_any_claim_with_bounded_memory(mode: str) -> None:
     limit = MiB
     r = child(mode)
-    print("BODY100", json.dumps({k: v for k, v in r.items() if k != "body"}))
+    figures = {k: v for k, v in r.items() if k != "body"}
+    report({"test": f"body_100mib_{mode}", "backend": "memory", **figures}, "BODY100")
     assert r["status"] == 413 and json.loads(r["body"])["type"] == "urn:idem-asgi:problem:body-too-large"
     assert r["store_calls"] == [] and r["app_runs"] == []
     if mode == "honest":

@@ -85,6 +85,7 @@ from idem_asgi.errors import BackendUnavailable
 from idem_asgi.keys import scope_from_header
 from idem_asgi.records import IN_PROGRESS, Claimed, ClaimResult, Record, RecordKey, StoredResponse
 from tests.asgi import Result, drive, http_scope, read_body
+from tests.scorecard import report
 from tests.servers import POSTGRES_DSN, REDIS_URL, require
 
 T = TypeVar("T")
@@ -911,7 +912,7 @@ def test_model(kind: str) -> None:
         "cross_scope_leaks": 0,
         "wall_s": c["wall_ms"] / 1000,
     }
-    print(f"\nMODEL {json.dumps(line)}")
+    report(line, "MODEL")
     check(c["calls_from_dead_workers"] == 0, "a crashed worker's code still reached the store")
     # The run exercised what it is for (a guard against a model that quietly stopped reaching states).
     if EXAMPLES < 100:

@@ -1,8 +1,11 @@
 """Retry storms with the executions counted outside the middleware (a ledger), per backend.
 
+The sizes are the issue's CI tier and live in one place, `SIZES` (the soak, `tests/soak.py`, reruns
+these very tests with other seeds):
 1. One key x 1,000 concurrent requests, in process (raw ASGI, all started at once).
-2. 200 keys x 25 duplicates = 5,000 requests in a seeded random order, at most 200 in flight, in process.
-3. (Redis, Postgres) `uvicorn --workers 4` over loopback: 100 keys x 10 duplicates, each key's
+2. 1,000 keys x 50 duplicates = 50,000 requests in a seeded random order (`IDEM_STORM_SEED`), at
+   most 500 in flight, in process.
+3. (Redis, Postgres) `uvicorn --workers 4` over loopback: 200 keys x 25 duplicates, each key's
    duplicates in flight together on kept-alive connections spread over the workers, then a late
    wave that must replay every key byte for byte on whichever worker answers.
 
@@ -19,7 +22,9 @@ import json
 import os
 import random
 import uuid
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Coroutine, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +48,23 @@ pytestmark = pytest.mark.slow
 
 TABLE = "idem_reliability_records"
 SEED = int(os.environ.get("IDEM_STORM_SEED", "20240601"))
+
+
+@dataclass(frozen=True)
+class StormSizes:
+    """Every storm's size (the issue's CI tier)."""
+
+    one_key_requests: int = 1_000  # storm 1: all at once on one key
+    keys: int = 1_000  # storm 2: keys x dup_per_key requests, seeded random order
+    dup_per_key: int = 50
+    in_flight: int = 500  # storm 2: at most this many requests in flight
+    worker_keys: int = 200  # storm 3: uvicorn --workers `workers`, over loopback
+    worker_dup_per_key: int = 25
+    workers: int = 4
+    connections: int = 100  # storm 3: kept-alive client connections
+
+
+SIZES = StormSizes()
 ALLOWED = {"first", "replay", "409:request-in-progress"}
 
 BACKENDS = [
@@ -146,63 +168,88 @@ def check_storm(card: Scorecard, counts: dict[str, int], duplicates: int, late: 
     return result
 
 
+async def run_workers(todo: deque[str], workers: list[Coroutine[Any, Any, None]], timeout: float) -> None:
+    """Run `workers` (which take keys from `todo`) to the end, bounded by `timeout`.
+
+    When this is cancelled (Ctrl-C, the soak's time cap) or times out, `todo` is emptied and every
+    worker is cancelled and waited for, so none is left running when the test cleans up the stores:
+    before Python 3.12, `asyncio.wait_for` (used by the drivers, and by the Redis store's pool)
+    returns a result that arrived together with the cancellation and so swallows it, and a worker
+    whose cancellation was swallowed would go on through the whole order on its own.
+    """
+    tasks = [asyncio.ensure_future(w) for w in workers]
+    try:
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout)
+    finally:
+        todo.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks)  # each ends after its request in flight (bounded by the driver)
+
+
+async def drive_asgi(app: Any, order: Iterable[str], in_flight: int, *, timeout: float = 600) -> list[Answer]:
+    """`in_flight` workers take the next key of `order` as soon as their answer is in (order kept)."""
+    todo = deque(order)
+    answers: list[Answer] = []
+
+    async def worker() -> None:
+        while todo:
+            answers.append(await asgi_post(app, todo.popleft()))
+
+    await run_workers(todo, [worker() for _ in range(in_flight)], timeout)
+    return answers
+
+
 @pytest.mark.parametrize("kind", BACKENDS)
-async def test_one_key_1000_concurrent_requests_execute_once(kind: str) -> None:
+async def test_one_key_storm_executes_once(kind: str) -> None:
+    n = SIZES.one_key_requests
     async with in_process(kind, delay=0.05) as (app, ledger):
         key = f"one-{uuid.uuid4().hex[:8]}"
-        card = Scorecard("storm_1key_x1000_inprocess", kind, seed=None, keys=1, dup_per_key=1000)
-        answers = await asyncio.wait_for(asyncio.gather(*(asgi_post(app, key) for _ in range(1000))), 60)
+        # No random order here (every request starts at once); the seed only labels the run.
+        card = Scorecard(f"storm_1key_x{n}_inprocess", kind, seed=SEED, keys=1, dup_per_key=n)
+        answers = await asyncio.wait_for(asyncio.gather(*(asgi_post(app, key) for _ in range(n))), 120)
         card.add(*answers)
         late = [await asgi_post(app, key)]
-        result = check_storm(card, await ledger.counts([key]), 1000, late)
+        result = check_storm(card, await ledger.counts([key]), n, late)
         # The first request ran; while it ran its duplicates were refused, then they replayed.
         assert result["409"] > 0, result
 
 
 @pytest.mark.parametrize("kind", BACKENDS)
-async def test_200_keys_x25_duplicates_in_random_order(kind: str) -> None:
-    keys_n, dups, in_flight = 200, 25, 200
+async def test_many_keys_storm_in_random_order(kind: str) -> None:
+    keys_n, dups, in_flight = SIZES.keys, SIZES.dup_per_key, SIZES.in_flight
     rng = random.Random(SEED)
     async with in_process(kind, delay=0.02) as (app, ledger):
         run = uuid.uuid4().hex[:8]
-        keys = [f"k{run}-{i:03d}" for i in range(keys_n)]
+        keys = [f"k{run}-{i:04d}" for i in range(keys_n)]
         order = [k for k in keys for _ in range(dups)]
         rng.shuffle(order)
-        card = Scorecard("storm_200keys_x25_inprocess", kind, seed=SEED, keys=keys_n, dup_per_key=dups)
-        gate = asyncio.Semaphore(in_flight)
-
-        async def one(key: str) -> Answer:
-            async with gate:
-                return await asgi_post(app, key)
-
-        answers = await asyncio.wait_for(asyncio.gather(*(one(k) for k in order)), 90)
-        card.add(*answers)
-        late = await asyncio.gather(*(one(k) for k in keys))
+        card = Scorecard(f"storm_{keys_n}keys_x{dups}_inprocess", kind, seed=SEED, keys=keys_n, dup_per_key=dups)
+        card.add(*await drive_asgi(app, order, in_flight))
+        late = await drive_asgi(app, keys, in_flight)
         check_storm(card, await ledger.counts(keys), dups, late)
 
 
-async def drive_http(port: int, order: list[str], connections: int, *, timeout: float = 60) -> list[Answer]:
+async def drive_http(port: int, order: list[str], connections: int, *, timeout: float = 300) -> list[Answer]:
     """`connections` kept-alive connections pull the next key from `order` as soon as their answer is in."""
-    queue: asyncio.Queue[str] = asyncio.Queue()
-    for key in order:
-        queue.put_nowait(key)
+    todo = deque(order)
     answers: list[Answer] = []
 
     async def worker() -> None:
         conn = HttpConnection(port)
         try:
-            while not queue.empty():
-                answers.append(await conn.post(queue.get_nowait()))
+            while todo:
+                answers.append(await conn.post(todo.popleft()))
         finally:
             await conn.close()
 
-    await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(connections))), timeout)
+    await run_workers(todo, [worker() for _ in range(connections)], timeout)
     return answers
 
 
 @pytest.mark.parametrize("kind", SHARED_BACKENDS)
-async def test_four_uvicorn_workers_100_keys_x10(kind: str, tmp_path: Path) -> None:
-    keys_n, dups, workers = 100, 10, 4
+async def test_uvicorn_workers_storm(kind: str, tmp_path: Path) -> None:
+    keys_n, dups, workers = SIZES.worker_keys, SIZES.worker_dup_per_key, SIZES.workers
     rng = random.Random(SEED)
     async with environment(kind) as (run, namespace, ledger):
         ledger_url = REDIS_URL if kind == "redis" else POSTGRES_DSN
@@ -220,16 +267,16 @@ async def test_four_uvicorn_workers_100_keys_x10(kind: str, tmp_path: Path) -> N
         }
         keys = [f"w{run}-{i:03d}" for i in range(keys_n)]
         rng.shuffle(keys)
-        # Key-major: a key's 10 duplicates sit next to each other, so 100 connections have them in
-        # flight together, on whichever workers accepted those connections.
+        # Key-major: a key's duplicates sit next to each other, so the connections have several keys'
+        # duplicates in flight together, on whichever workers accepted those connections.
         order = [k for k in keys for _ in range(dups)]
         server = UvicornServer(env, tmp_path / "uvicorn.log", workers=workers)
         try:
             ready = await server.wait_ready(timeout=40)
             card = Scorecard(
-                f"storm_100keys_x10_uvicorn_{workers}workers", kind, seed=SEED, keys=keys_n, dup_per_key=dups
+                f"storm_{keys_n}keys_x{dups}_uvicorn_{workers}workers", kind, seed=SEED, keys=keys_n, dup_per_key=dups
             )
-            answers = await drive_http(server.port, order, 100)
+            answers = await drive_http(server.port, order, SIZES.connections)
             card.add(*answers)
             late = await drive_http(server.port, keys, 20)  # one more of each key, after the storm
         finally:

@@ -10,6 +10,7 @@ server's `now()`. The body is kept verbatim as `bytea`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import logging
@@ -135,6 +136,7 @@ class PostgresBackend:
         self._lock = anyio.Lock()
         self._orphans = OrphanSweeper(self._abandon_claim)
         self._releasing: set[asyncio.Task[Any]] = set()
+        self._turns: _Turns | None = None
         t = self.table
         # Claim-or-read in one statement that takes no lock and writes nothing unless it claims:
         # `cur` reads the row in the statement's snapshot; a live row is returned as is (a replay
@@ -313,7 +315,15 @@ ORDER BY lease_until LIMIT $2"""
             remaining = deadline - monotonic()
             if remaining <= 0:
                 raise TimeoutError
-            conn = await pool.acquire(timeout=remaining)
+            if self._turns is None:
+                self._turns = _Turns(pool.get_max_size())
+            turns = self._turns
+            await turns.take(remaining)  # first come, first served (see _Turns)
+            try:
+                conn = await pool.acquire(timeout=max(deadline - monotonic(), 0.001))
+            except BaseException:
+                turns.give_back()
+                raise
             release = True
             try:
                 remaining = deadline - monotonic()
@@ -322,13 +332,16 @@ ORDER BY lease_until LIMIT $2"""
                 return await getattr(conn, method)(sql, *args, timeout=remaining)
             except _TIMEOUT:
                 release = False
-                task = asyncio.get_running_loop().create_task(_release_quietly(pool, conn))
+                task = asyncio.get_running_loop().create_task(_release_quietly(pool, conn, turns))
                 self._releasing.add(task)
                 task.add_done_callback(self._releasing.discard)
                 raise
             finally:
                 if release:
-                    await pool.release(conn)
+                    try:
+                        await pool.release(conn)
+                    finally:
+                        turns.give_back()
         except _UNAVAILABLE as exc:
             raise BackendUnavailable(f"postgres unavailable: {exc!r}") from exc
         except asyncpg.PostgresError as exc:
@@ -554,11 +567,61 @@ ORDER BY lease_until LIMIT $2"""
             await pool.close()
 
 
-async def _release_quietly(pool: Any, conn: Any) -> None:
+async def _release_quietly(pool: Any, conn: Any, turns: _Turns) -> None:
     # The pool terminates a connection it could not reset in time and re-raises; nobody waits
     # for this task, so there is nobody to tell.
-    with contextlib.suppress(Exception):
-        await pool.release(conn)
+    try:
+        with contextlib.suppress(Exception):
+            await pool.release(conn)
+    finally:
+        turns.give_back()
+
+
+class _Turns:
+    """First come, first served turns at the pool's connections, one per connection.
+
+    asyncpg's pool hands a connection coming back to whichever coroutine asks next, not to the one
+    waiting longest (its asyncio.Queue lets a newcomer take the item a woken waiter was promised;
+    MagicStack/asyncpg#1247). With more requests in flight than connections, a few then starve
+    until their timeout while the rest get through: a 503 for a claim, a lost completion
+    (outcome-unknown) for a completion. Taking a turn before the connection makes the wait FIFO:
+    a turn given back goes straight to the oldest waiter, and a newcomer queues behind them.
+    """
+
+    def __init__(self, size: int) -> None:
+        self._free = size
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    async def take(self, within: float) -> None:
+        """Wait for a turn; TimeoutError after `within` seconds."""
+        if self._free > 0 and not self._waiters:
+            self._free -= 1
+            return
+        loop = asyncio.get_running_loop()
+        turn: asyncio.Future[None] = loop.create_future()
+        self._waiters.append(turn)
+
+        def expire() -> None:
+            if not turn.done():
+                turn.set_exception(TimeoutError())
+
+        timer = loop.call_later(within, expire)
+        try:
+            await turn
+        except BaseException:
+            if turn.done() and not turn.cancelled() and turn.exception() is None:
+                self.give_back()  # given a turn just as we were cancelled: pass it on
+            raise
+        finally:
+            timer.cancel()
+
+    def give_back(self) -> None:
+        while self._waiters:
+            turn = self._waiters.popleft()
+            if not turn.done():  # (skips waiters that timed out or were cancelled)
+                turn.set_result(None)
+                return
+        self._free += 1
 
 
 def _record(row: Any) -> Record:
