@@ -115,6 +115,24 @@ def body_observed(lines: Sequence[Line]) -> str:
     )
 
 
+def stale_observed(lines: Sequence[Line]) -> str:
+    def total(field: str) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for line in lines:
+            for k, v in (line.get(field) or {}).items():
+                out[k] = out.get(k, 0) + int(v)
+        return out
+
+    runs = total("executions_by_owner")
+    refused = ", ".join(f"{k} {v}" for k, v in total("stale_writes_refused").items())
+    return (
+        f"{_n(_sum(lines, 'keys'))} keys, each run by the stalled A ({runs.get('stale_A', 0)}) and, by design "
+        f"of `reclaim`, by B ({runs.get('taker_B', 0)}); A's writes refused: {refused}; stored answer is B's "
+        f"on {_sum(lines, 'stored_answer_is_takers')} keys; {_n(_sum(lines, 'replays'))} replays, "
+        f"{_sum(lines, 'replay_mismatches')} mismatches, {_sum(lines, '5xx')} x 5xx"
+    )
+
+
 def zero(_: Sequence[Line]) -> str:
     """For suites that assert every run count and every record themselves: reached only if 0."""
     return "0"
@@ -213,6 +231,8 @@ ROWS = [
         r"stale_owner_reclaim",
         "B takes over; A's extend and completion refused by the token; replays are B's answer",
         "tests/test_stale_owner.py",
+        storm_cases,
+        stale_observed,
     ),
     Row(
         "Idempotency-Key values: empty, 256+, control, non-ASCII, quoted, two lines, injection-shaped",

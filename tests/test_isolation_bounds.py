@@ -55,7 +55,7 @@ from tests.hostile import (
 from tests.scorecard import report
 
 ROOT = Path(__file__).resolve().parent.parent
-ISOLATION_EXAMPLES = {"memory": 300, "redis": 150, "postgres": 150}
+ISOLATION_EXAMPLES = {"memory": 1000, "redis": 300, "postgres": 300}
 MiB = 1 << 20
 
 
