@@ -344,6 +344,33 @@ class PostgresLedger:
 Ledger = MemoryLedger | RedisLedger | PostgresLedger
 
 
+async def cleanup_store(kind: str, namespace: str, table: str) -> None:
+    """Remove one run's records (`namespace`) from the shared Redis or Postgres, never anything else.
+
+    Redis keys are `idem-rel:<namespace>:...` (the prefix `tests/crash_app.make_store` gives them).
+    """
+    from tests.servers import POSTGRES_DSN, REDIS_URL
+
+    if kind == "redis":
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(REDIS_URL)
+        try:
+            names = [k async for k in client.scan_iter(match=f"idem-rel:{namespace}:*", count=1000)]
+            for i in range(0, len(names), 500):
+                await client.delete(*names[i : i + 500])
+        finally:
+            await client.aclose()
+    elif kind == "postgres":
+        import asyncpg
+
+        conn = await asyncpg.connect(POSTGRES_DSN)
+        try:
+            await conn.execute(f"DELETE FROM {table} WHERE namespace = $1", namespace)
+        finally:
+            await conn.close()
+
+
 def ledger_from_url(url: str, run: str, *, pool: int = 4) -> Ledger:
     if url.startswith("memory://"):
         return MemoryLedger()

@@ -35,6 +35,7 @@ from tests.scorecard import (
     PostgresLedger,
     RedisLedger,
     Scorecard,
+    cleanup_store,
     final_state,
     http_post,
 )
@@ -73,26 +74,6 @@ def kind(request: pytest.FixtureRequest) -> str:
         require("postgres", POSTGRES_DSN)
     return str(request.param)
 
-
-async def cleanup_store(kind: str, namespace: str) -> None:
-    if kind == "redis":
-        import redis.asyncio as aioredis
-
-        client = aioredis.Redis.from_url(REDIS_URL)
-        try:
-            names = [k async for k in client.scan_iter(match=f"idem-rel:{namespace}:*", count=1000)]
-            if names:
-                await client.delete(*names)
-        finally:
-            await client.aclose()
-    else:
-        import asyncpg
-
-        conn = await asyncpg.connect(POSTGRES_DSN)
-        try:
-            await conn.execute(f"DELETE FROM {TABLE} WHERE namespace = $1", namespace)
-        finally:
-            await conn.close()
 
 
 async def settle(port: int, key: str) -> list[Answer]:
@@ -198,7 +179,7 @@ async def test_crash_matrix(kind: str, tmp_path: Path) -> None:
         await asyncio.gather(*(asyncio.to_thread(s.stop) for s in servers.values()))
         try:
             await ledger.cleanup()
-            await cleanup_store(kind, namespace)
+            await cleanup_store(kind, namespace, TABLE)
         finally:
             await ledger.aclose()
 

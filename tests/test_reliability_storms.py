@@ -41,6 +41,7 @@ from tests.scorecard import (
     Scorecard,
     asgi_post,
     assert_zero_tolerance,
+    cleanup_store,
 )
 from tests.servers import POSTGRES_DSN, REDIS_URL, require
 
@@ -93,27 +94,6 @@ def make_ledger(kind: str, run: str) -> Ledger:
     return PostgresLedger(POSTGRES_DSN, run)
 
 
-async def cleanup_store(kind: str, namespace: str) -> None:
-    """Remove this run's records from the shared store (never anything else)."""
-    if kind == "redis":
-        import redis.asyncio as aioredis
-
-        client = aioredis.Redis.from_url(REDIS_URL)
-        try:
-            names = [k async for k in client.scan_iter(match=f"idem-rel:{namespace}:*", count=1000)]
-            for i in range(0, len(names), 500):
-                await client.delete(*names[i : i + 500])
-        finally:
-            await client.aclose()
-    elif kind == "postgres":
-        import asyncpg
-
-        conn = await asyncpg.connect(POSTGRES_DSN)
-        try:
-            await conn.execute(f"DELETE FROM {TABLE} WHERE namespace = $1", namespace)
-        finally:
-            await conn.close()
-
 
 @contextlib.asynccontextmanager
 async def environment(kind: str) -> AsyncIterator[tuple[str, str, Ledger]]:
@@ -134,7 +114,7 @@ async def environment(kind: str) -> AsyncIterator[tuple[str, str, Ledger]]:
     finally:
         try:
             await ledger.cleanup()
-            await cleanup_store(kind, namespace)
+            await cleanup_store(kind, namespace, TABLE)
         finally:
             await ledger.aclose()
 

@@ -48,7 +48,7 @@ import pytest
 
 from idem_asgi.records import COMPLETED, RecordKey
 from tests.crash_app import UvicornServer, build, make_store, read_trace
-from tests.scorecard import Answer, Ledger, PostgresLedger, RedisLedger, Scorecard, asgi_post, http_post
+from tests.scorecard import Answer, Ledger, PostgresLedger, RedisLedger, Scorecard, asgi_post, cleanup_store, http_post
 from tests.servers import POSTGRES_DSN, REDIS_URL, require
 
 pytestmark = pytest.mark.slow
@@ -75,26 +75,6 @@ def kind(request: pytest.FixtureRequest) -> str:
 def make_ledger(kind: str, run: str) -> Ledger:
     return RedisLedger(REDIS_URL, run) if kind == "redis" else PostgresLedger(POSTGRES_DSN, run)
 
-
-async def cleanup_store(kind: str, namespace: str) -> None:
-    if kind == "redis":
-        import redis.asyncio as aioredis
-
-        client = aioredis.Redis.from_url(REDIS_URL)
-        try:
-            names = [k async for k in client.scan_iter(match=f"idem-rel:{namespace}:*", count=1000)]
-            if names:
-                await client.delete(*names)
-        finally:
-            await client.aclose()
-    else:
-        import asyncpg
-
-        conn = await asyncpg.connect(POSTGRES_DSN)
-        try:
-            await conn.execute(f"DELETE FROM {TABLE} WHERE namespace = $1", namespace)
-        finally:
-            await conn.close()
 
 
 async def poll(condition: Callable[[], Awaitable[bool]], within: float, what: str) -> None:
@@ -205,7 +185,7 @@ async def test_stale_owner_is_fenced_out_and_the_stored_answer_is_the_takers(kin
         try:
             for ledger in (ledger_a, ledger_b):
                 await ledger.cleanup()
-            await cleanup_store(kind, namespace)
+            await cleanup_store(kind, namespace, TABLE)
         finally:
             await ledger_a.aclose()
             await ledger_b.aclose()
