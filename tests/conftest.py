@@ -1,4 +1,5 @@
-"""The `backend` fixture runs a test once per real store: memory, redis and postgres."""
+"""`backend` runs a test once per real store (memory, redis, postgres); `shared_store` once per
+store several processes can share (redis, postgres)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,11 @@ async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
 def namespace() -> str:
     """A namespace no other test uses, so tests sharing a real store never meet."""
     return f"t-{uuid.uuid4().hex}"
+
+
+@pytest.fixture(params=BACKENDS[1:])
+def shared_store(request: pytest.FixtureRequest) -> str:
+    """"redis" or "postgres", for tests whose workers are separate processes; skipped when missing."""
+    name = str(request.param)
+    require(name, REDIS_URL if name == "redis" else POSTGRES_DSN)
+    return name

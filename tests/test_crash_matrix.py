@@ -39,7 +39,7 @@ from tests.scorecard import (
     final_state,
     http_post,
 )
-from tests.servers import POSTGRES_DSN, REDIS_URL, require
+from tests.servers import POSTGRES_DSN, REDIS_URL
 
 pytestmark = pytest.mark.slow
 
@@ -63,16 +63,6 @@ EXPECTED = {
 }
 assert set(EXPECTED) == set(POINTS)
 
-
-@pytest.fixture(
-    params=[pytest.param("redis", marks=pytest.mark.redis), pytest.param("postgres", marks=pytest.mark.postgres)]
-)
-def kind(request: pytest.FixtureRequest) -> str:
-    if request.param == "redis":
-        require("redis", REDIS_URL)
-    else:
-        require("postgres", POSTGRES_DSN)
-    return str(request.param)
 
 
 
@@ -98,7 +88,8 @@ async def crash_one_point(server: UvicornServer, keys: list[str]) -> tuple[list[
     return list(answers), code, time.monotonic()
 
 
-async def test_crash_matrix(kind: str, tmp_path: Path) -> None:
+async def test_crash_matrix(shared_store: str, tmp_path: Path) -> None:
+    kind = shared_store
     run = uuid.uuid4().hex[:12]
     namespace = f"crash-{run}"
     url = REDIS_URL if kind == "redis" else POSTGRES_DSN

@@ -49,7 +49,7 @@ import pytest
 from idem_asgi.records import COMPLETED, RecordKey
 from tests.crash_app import UvicornServer, build, make_store, read_trace
 from tests.scorecard import Answer, Ledger, PostgresLedger, RedisLedger, Scorecard, asgi_post, cleanup_store, http_post
-from tests.servers import POSTGRES_DSN, REDIS_URL, require
+from tests.servers import POSTGRES_DSN, REDIS_URL
 
 pytestmark = pytest.mark.slow
 
@@ -60,16 +60,6 @@ B_DELAY = 0.05
 COMPLETE_KEYS = 3  # A's handler answers 201: its `complete` is fenced out
 RELEASE_KEYS = 2  # A's handler answers 500: its `release` is fenced out
 
-
-@pytest.fixture(
-    params=[pytest.param("redis", marks=pytest.mark.redis), pytest.param("postgres", marks=pytest.mark.postgres)]
-)
-def kind(request: pytest.FixtureRequest) -> str:
-    if request.param == "redis":
-        require("redis", REDIS_URL)
-    else:
-        require("postgres", POSTGRES_DSN)
-    return str(request.param)
 
 
 def make_ledger(kind: str, run: str) -> Ledger:
@@ -101,7 +91,8 @@ def body_pid(answer: Answer) -> int:
     return int(json.loads(answer.body)["pid"])
 
 
-async def test_stale_owner_is_fenced_out_and_the_stored_answer_is_the_takers(kind: str, tmp_path: Path) -> None:
+async def test_stale_owner_is_fenced_out_and_the_stored_answer_is_the_takers(shared_store: str, tmp_path: Path) -> None:
+    kind = shared_store
     run = uuid.uuid4().hex[:12]
     namespace = f"stale-{run}"
     url = REDIS_URL if kind == "redis" else POSTGRES_DSN
