@@ -1,11 +1,19 @@
 """idem_asgi: a retried request has its effect once; every repeat gets the first answer back."""
 
 from .backends import Backend, backend_from_url
-from .context import IdempotencyInfo, current_idempotency
+from .context import IdempotencyInfo, current_idempotency, held_claim
 from .derived import event_id, intent_key
-from .errors import BackendError, BackendUnavailable, ConfigurationError, IdemError
+from .errors import (
+    BackendError,
+    BackendMisconfigured,
+    BackendUnavailable,
+    ConfigurationError,
+    IdemError,
+    InvalidScope,
+    StoreFull,
+)
 from .fingerprint import JsonIgnoring, RawBody, custom
-from .keys import scope_from_header, scope_from_state, scope_from_token_hash
+from .keys import scope_from_header, scope_from_state, scope_from_token_hash, scope_from_user
 from .middleware import IdempotencyMiddleware
 from .openapi import add_openapi
 from .policy import RoutePolicy
@@ -15,12 +23,14 @@ from .signatures import HmacScheme, SignatureMiddleware, StripeScheme
 __all__ = [
     "Backend",
     "BackendError",
+    "BackendMisconfigured",
     "BackendUnavailable",
     "ConfigurationError",
     "HmacScheme",
     "IdemError",
     "IdempotencyInfo",
     "IdempotencyMiddleware",
+    "InvalidScope",
     "JsonIgnoring",
     "RawBody",
     "Record",
@@ -28,6 +38,7 @@ __all__ = [
     "RoutePolicy",
     "SignatureMiddleware",
     "StaleRecord",
+    "StoreFull",
     "StoredResponse",
     "StripeScheme",
     "add_openapi",
@@ -35,8 +46,10 @@ __all__ = [
     "current_idempotency",
     "custom",
     "event_id",
+    "held_claim",
     "intent_key",
     "scope_from_header",
     "scope_from_state",
     "scope_from_token_hash",
+    "scope_from_user",
 ]

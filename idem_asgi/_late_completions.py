@@ -34,8 +34,8 @@ class LateCompletions:
 
     __slots__ = ("_backend", "_pending_bytes", "_tasks")
 
-    def __init__(self, backend: Backend) -> None:
-        self._backend = backend
+    def __init__(self, backend: Callable[[], Backend]) -> None:
+        self._backend = backend  # looked up at each attempt: the store may be wrapped later (testing)
         self._pending_bytes = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -73,7 +73,7 @@ class LateCompletions:
             while True:
                 await asyncio.sleep(delay)
                 try:
-                    stored = await self._backend.complete(key, token, response, ttl=ttl) or await self._landed(
+                    stored = await self._backend().complete(key, token, response, ttl=ttl) or await self._landed(
                         key, token
                     )
                 except Exception as exc:
@@ -92,7 +92,9 @@ class LateCompletions:
                     logger.info("idem_asgi: stored the answer for key %r on a later attempt", key.key)
                     emit("completed")
                 else:
-                    logger.warning("idem_asgi: key %r was taken over; this answer was not stored", key.key)
+                    logger.warning(
+                        "idem_asgi: key %r was no longer held by this request; this answer was not stored", key.key
+                    )
                     emit("lease_lost")
                 return
         finally:
@@ -100,5 +102,5 @@ class LateCompletions:
 
     async def _landed(self, key: RecordKey, token: int) -> bool:
         """An earlier attempt whose reply was lost may have stored it: the record says."""
-        record = await self._backend.get(key)
+        record = await self._backend().get(key)
         return record is not None and record.state == COMPLETED and record.token == token

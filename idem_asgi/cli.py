@@ -22,6 +22,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -30,7 +31,8 @@ from typing import Any
 
 from .backends._protocol import Backend
 from .backends.memory import MemoryBackend
-from .errors import BackendError, BackendUnavailable, ConfigurationError
+from .errors import BackendError, BackendUnavailable, ConfigurationError, InvalidScope
+from .keys import ANONYMOUS_SCOPE, stored_scope
 from .reconcile import ReconcilableBackend, ReconcileReport, Resolver, reconcile
 from .records import Record, RecordKey, StaleRecord, StoredResponse
 
@@ -86,9 +88,11 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="print one record")
     _common(p, top=False)
-    p.add_argument("key", help="the Idempotency-Key value")
+    p.add_argument("key", help='the Idempotency-Key value (a derived key as listed: "POST /webhooks/stripe evt_123")')
     p.add_argument("--namespace", default="idem", help="the middleware's namespace (default: idem)")
-    p.add_argument("--scope", default=None, help="whose key it is (tenant, user; default: unscoped)")
+    p.add_argument(
+        "--scope", default=None, help="whose key it is (tenant, user, or its stored '~h ...' digest; default: unscoped)"
+    )
 
     p = sub.add_parser("stale", help="list claims whose holder stopped (lease over, never completed)")
     _common(p, top=False)
@@ -302,6 +306,7 @@ def _stale_doc(s: StaleRecord) -> dict[str, Any]:
         "lease_until": _iso(s.record.lease_until),
         "expires_at": _iso(s.record.expires_at),
         "effect_committed": s.effect_committed,
+        "holder_failed": s.record.holder_failed,
     }
 
 
@@ -320,8 +325,21 @@ def _emit(args: argparse.Namespace, doc: Any, lines: Callable[[], list[str]]) ->
 # --- commands --------------------------------------------------------------------------------
 
 
+_DIGEST_SCOPE = re.compile(r"~h [0-9a-f]{64}")
+
+
+def _stored_scope(scope: str | None) -> str | None:
+    """The scope as records keep it: a stored form as listed by `stale` is taken as it is."""
+    if scope is None or scope == ANONYMOUS_SCOPE or _DIGEST_SCOPE.fullmatch(scope):
+        return scope
+    try:
+        return stored_scope(scope)
+    except InvalidScope as exc:
+        raise CliError(f"invalid --scope: {exc}", 2) from None
+
+
 async def _inspect(args: argparse.Namespace) -> int:
-    key = RecordKey.build(args.namespace, args.scope, args.key)
+    key = RecordKey.build(args.namespace, _stored_scope(args.scope), args.key)
     async with _open(args) as backend:
         record = await backend.get(key)
     if record is None:
@@ -362,6 +380,7 @@ async def _stale(args: argparse.Namespace) -> int:
         out = [
             f"{_iso(s.record.lease_until)}  {_label(s.key.namespace, s.key.scope, s.key.key)}  token {s.record.token}"
             + ("  effect committed" if s.effect_committed else "")
+            + ("  failed mid-answer" if s.record.holder_failed else "")
             for s in found
         ]
         out.append(f"{len(found)} stale claim(s) whose lease ended more than {args.older_than:g} s ago")

@@ -10,8 +10,10 @@ import hashlib
 import re
 from collections.abc import Callable
 from typing import Final
+from urllib.parse import quote
 
 from ._types import Scope
+from .errors import InvalidScope
 
 MAX_KEY_LENGTH: Final = 255
 _VISIBLE: Final = re.compile(rb"[\x21-\x7e]{1,255}")
@@ -42,6 +44,12 @@ def parse_key(value: bytes) -> str:
     return value.decode("ascii")
 
 
+MAX_SCOPE_LENGTH: Final = 200
+"""Longer scopes are stored as a fixed-size digest (a Postgres index row has a size limit)."""
+ANONYMOUS_SCOPE: Final = "~anonymous"
+"""The key space of callers a scope callable found nothing for, on routes with `anonymous=True`."""
+
+
 def storable_scope(value: str) -> bool:
     """Whether every store can keep `value` as it is: no NUL (Postgres text refuses it), valid UTF-8.
 
@@ -58,15 +66,62 @@ def storable_scope(value: str) -> bool:
     return True
 
 
+def stored_scope(value: object) -> str:
+    """The form a scope callable's answer is stored under; raises `InvalidScope` when there is none.
+
+    A `str` is kept as it is, unless it is longer than `MAX_SCOPE_LENGTH` or starts with `~`
+    (reserved, e.g. for `ANONYMOUS_SCOPE`): then it is stored as `~h <sha256 hex>`, a fixed size that
+    no other answer can take. An `int` is its decimal text. Anything else (an object, whose text
+    could differ between two retries) is refused, as is a string no store can keep.
+    """
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise InvalidScope(f"the scope callable returned a {type(value).__name__}; it must return a str or None")
+    text = value if isinstance(value, str) else str(value)
+    if not storable_scope(text):
+        raise InvalidScope("the scope holds a NUL character or is not valid Unicode")
+    if len(text) > MAX_SCOPE_LENGTH or text.startswith("~"):
+        return "~h " + hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return text
+
+
+MAX_ROUTE_KEY_LENGTH: Final = 1024
+
+
+def route_key(method: str, path: str, key: str) -> str:
+    """The stored key of a key the route derived (`intent_key`, `event_id`, any `key=` callable).
+
+    `"<METHOD> <path, percent-quoted> <key>"`: readable in the ops tools, unique per (method, path,
+    key), and never equal to a header key (those cannot hold a space), so a client's header key can
+    neither block nor answer a derived one, and the same event id on two routes is two records.
+    Longer than `MAX_ROUTE_KEY_LENGTH`: `~h <sha256 hex>` of that text.
+    """
+    text = f"{method} {quote(path, safe=_PATH_SAFE, errors='surrogateescape')} {key}"
+    if len(text) > MAX_ROUTE_KEY_LENGTH:
+        return "~h " + hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
+    return text
+
+
+_PATH_SAFE: Final = "/:@!$&'()*+,;=-._~"
+
+
 def scope_from_header(name: str) -> ScopeFunc:
-    """Scope records by a request header set by a trusted proxy (e.g. a tenant or API key id)."""
+    """Scope records by a request header (a tenant id, an API key id).
+
+    Only safe behind a gateway that sets this header itself and overwrites any value the client
+    sent: a client that can choose the header can read another tenant's stored answers. A request
+    carrying the header twice is refused (400 `scope-malformed`): which line would count is
+    ambiguous, and gateways and apps may pick different ones.
+    """
     raw = name.lower().encode("latin-1")
 
     def scope_of(scope: Scope) -> str | None:
+        found: bytes | None = None
         for k, v in scope["headers"]:
             if k == raw:
-                return str(v.decode("latin-1"))
-        return None
+                if found is not None:
+                    raise InvalidScope(f"send exactly one {name} header")
+                found = v
+        return None if found is None else found.decode("latin-1")
 
     return scope_of
 
@@ -77,6 +132,42 @@ def scope_from_state(attribute: str) -> ScopeFunc:
     def scope_of(scope: Scope) -> str | None:
         value = scope.get("state", {}).get(attribute)
         return None if value is None else str(value)
+
+    return scope_of
+
+
+_PRINCIPAL_ATTRIBUTES: Final = ("identity", "id", "pk", "sub", "user_id", "username")
+
+
+def _principal(value: object, attributes: tuple[str, ...], *, plain: bool) -> str | None:
+    if value is None or getattr(value, "is_authenticated", True) is False:
+        return None  # nobody, or Starlette's UnauthenticatedUser
+    if isinstance(value, (str, int)) and not isinstance(value, bool):
+        # A plain user name or id; never a plain `auth` value, which is often the raw credential.
+        return (str(value) or None) if plain else None
+    for name in attributes:
+        found = value.get(name) if isinstance(value, dict) else getattr(value, name, None)
+        if isinstance(found, (str, int)) and not isinstance(found, bool) and str(found):
+            return str(found)
+    return None  # never str(value): an object's text may change between two retries
+
+
+def scope_from_user(attribute: str | None = None) -> ScopeFunc:
+    """Scope records by the authenticated principal an auth middleware put in `scope["user"]`.
+
+    The secure default for APIs with authentication: Starlette's `AuthenticationMiddleware` and
+    Litestar's auth middleware set `scope["user"]` (and `scope["auth"]`) before this middleware runs,
+    so add them outside it. The principal is a string or int, or the first of `attribute` (or, by
+    default, `identity`, `id`, `pk`, `sub`, `user_id`, `username`) found on the user object or dict;
+    `scope["auth"]` is tried by those attributes when `scope["user"]` names nobody (never as a plain
+    value: that is often the raw credential, which changes when a token is refreshed). An unauthenticated user
+    (`is_authenticated` false) names nobody: the request is refused with 400 `scope-required`.
+    """
+    attributes = _PRINCIPAL_ATTRIBUTES if attribute is None else (attribute,)
+
+    def scope_of(scope: Scope) -> str | None:
+        user = _principal(scope.get("user"), attributes, plain=True)
+        return user or _principal(scope.get("auth"), attributes, plain=False)
 
     return scope_of
 

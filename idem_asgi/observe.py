@@ -25,6 +25,7 @@ EventName = Literal[
     "expired",  # the holder's lease ran out: outcome unknown
     "recovered",  # the recover hook or reclaim resolved an expired lease
     "outcome_unknown",  # nothing resolved it: 409 outcome-unknown
+    "unresolved",  # the app failed after its answer started or after an effect: claim kept, outcome unknown
     "lease_extended",  # a long-running app's lease was renewed
     "lease_lost",  # renewal found the claim taken over
     "store_error",  # the store failed: 503 (or fail-open)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from . import problems
 from .errors import ConfigurationError
 from .middleware import IdempotencyMiddleware
-from .policy import RoutePolicy, compile_path
+from .policy import RoutePolicy
+from .routing import RouteTable
 
 _METHODS = frozenset({"get", "put", "post", "delete", "options", "head", "patch", "trace"})
 _PROBLEM_SCHEMA = {
@@ -38,18 +39,6 @@ def _installed(app: Any) -> tuple[list[RoutePolicy], str]:
     raise ConfigurationError("add_openapi: no IdempotencyMiddleware on this app; pass routes=...")
 
 
-def _matcher(policies: Sequence[RoutePolicy], header: str) -> Callable[[str, str], tuple[RoutePolicy, str] | None]:
-    compiled = [(p, *compile_path(p.path), frozenset(m.upper() for m in p.methods)) for p in policies]
-
-    def match(path: str, method: str) -> tuple[RoutePolicy, str] | None:
-        for policy, exact, regex, methods in compiled:
-            if method in methods and (path == exact or (regex is not None and regex.fullmatch(path))):
-                return policy, policy.header or header
-        return None
-
-    return match
-
-
 def add_openapi(app: Any, routes: Sequence[RoutePolicy] | None = None, *, header: str = "Idempotency-Key") -> None:
     """Add the key header and the problem answers to each protected operation of a FastAPI app.
 
@@ -58,7 +47,7 @@ def add_openapi(app: Any, routes: Sequence[RoutePolicy] | None = None, *, header
     """
     if routes is None:
         routes, header = _installed(app)
-    match = _matcher(routes, header)
+    table = RouteTable(routes, header=header, scope=None)
     generate = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -67,8 +56,8 @@ def add_openapi(app: Any, routes: Sequence[RoutePolicy] | None = None, *, header
         schema: dict[str, Any] = generate()
         for path, item in schema.get("paths", {}).items():
             for method, operation in item.items():
-                if method in _METHODS and (found := match(path, method.upper())):
-                    _document(operation, *found)
+                if method in _METHODS and (found := table.match(path, method.upper())) is not None:
+                    _document(operation, found.policy, found.header_name)
         schema.setdefault("components", {}).setdefault("schemas", {})["IdempotencyProblem"] = _PROBLEM_SCHEMA
         app.openapi_schema = schema
         return schema

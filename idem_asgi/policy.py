@@ -1,12 +1,12 @@
 """Route policies: which requests are protected, and how.
 
-Policies match the request path (`scope["path"]`), never a framework's route template:
-a pure ASGI middleware runs before routing and cannot see templates.
+Policies match the request path relative to the mount (`scope["path"]` minus `scope["root_path"]`,
+see `idem_asgi.routing`), never a framework's route template: a pure ASGI middleware runs before
+routing and cannot see templates.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Awaitable, Callable, Container, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -33,11 +33,14 @@ DEFAULT_EXCLUDED_HEADERS: frozenset[str] = frozenset(
         "keep-alive",
         "proxy-connection",
         "te",
-        "trailer",
         "transfer-encoding",
         "upgrade",
     }
 )
+
+
+TRANSIENT_STATUSES: frozenset[int] = frozenset({*range(500, 600), 401, 407, 408, 425, 429})
+"""Answers that mean "try again" (server error, authenticate, timeout, too early, rate limited): released."""
 
 
 def seconds(value: Duration) -> float:
@@ -77,8 +80,11 @@ class RoutePolicy:
     """Largest response body stored for replay; a larger one reaches the first client whole and
     is recorded as completed-not-replayable."""
 
-    release_statuses: Container[int] = range(500, 600)
-    """Statuses that release the claim instead of storing it, so a retry runs again."""
+    release_statuses: Container[int] = TRANSIENT_STATUSES
+    """Statuses that release the claim instead of storing it, so a retry runs again: every 5xx and
+    401, 407, 408, 425, 429 by default (a retry after a refreshed token or a rate-limit wait must run).
+    Other answers (400, 403, 404, 409, 422, ...) are stored and replayed. After the handler marked
+    an effect (`mark_effect()`), no status releases: the record ends outcome-unknown instead."""
 
     fingerprint: FingerprintRule | None = None
     """What makes two requests the same operation: `RawBody()` (the default), `JsonIgnoring("ts")` or
@@ -92,7 +98,12 @@ class RoutePolicy:
     """Who the key belongs to (tenant, user, API key id); overrides the middleware's scope callable."""
 
     single_tenant: bool = False
-    """Declare that this route needs no scope (silences the start-up warning and strict mode)."""
+    """Declare that this route has one key space for every caller (webhooks, internal jobs): no scope
+    callable applies. Without it, a route needs a scope callable (strict mode, the default)."""
+
+    anonymous: bool = False
+    """When the scope callable names nobody, run the request in one key space kept for anonymous
+    callers instead of refusing it with 400 `scope-required`."""
 
     wait: Duration | None = None
     """Hold a repeat of an in-progress request up to this long and replay when done; None answers 409 at once."""
@@ -111,28 +122,3 @@ class RoutePolicy:
 
     excluded_headers: Iterable[str] = DEFAULT_EXCLUDED_HEADERS
     """Response headers never stored (the first client still gets them)."""
-
-
-_PARAM = re.compile(r"\{[A-Za-z_][A-Za-z0-9_]*\}")
-
-
-def compile_path(pattern: str) -> tuple[str | None, re.Pattern[str] | None]:
-    """Return (exact path, None) for a literal pattern, else (None, compiled regex)."""
-    if not pattern.startswith("/"):
-        raise ConfigurationError(f"route paths start with '/': {pattern!r}")
-    prefix = pattern.endswith("/*")
-    body = pattern[:-2] if prefix else pattern
-    if not prefix and _PARAM.search(body) is None and "*" not in body:
-        return body, None
-    if "*" in body:
-        raise ConfigurationError(f"'*' is only allowed as a trailing '/*': {pattern!r}")
-    regex = ""
-    pos = 0
-    for m in _PARAM.finditer(body):
-        regex += re.escape(body[pos : m.start()]) + "[^/]+"
-        pos = m.end()
-    regex += re.escape(body[pos:])
-    regex += "(?:/.*)?" if prefix else ""
-    # DOTALL: a percent-encoded newline (`/api/a%0Ab`) reaches `scope["path"]` decoded; without it
-    # `.*` stops at the newline, the path matches no policy, and the request runs unprotected.
-    return None, re.compile(regex, re.DOTALL)

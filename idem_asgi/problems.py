@@ -1,4 +1,4 @@
-"""RFC 9457 problem answers sent to HTTP clients, one stable `type` per case.
+"""RFC 9457 problem answers sent to HTTP clients, one stable `type` per case, with its usual text.
 
 The middleware sends these itself; it never raises them into the application.
 Every refusal carries `Cache-Control: no-store` so no cache keeps it.
@@ -19,11 +19,13 @@ _encode = msgspec.json.encode
 
 @dataclass(frozen=True, slots=True)
 class ProblemType:
-    """One kind of refusal: its stable `type` suffix, HTTP status and title."""
+    """One kind of refusal: its stable `type` suffix, HTTP status, title and usual detail."""
 
     slug: str
     status: int
     title: str
+    detail: str = ""
+    """The human `detail` sent when the caller gives none."""
 
     @property
     def type(self) -> str:
@@ -31,34 +33,94 @@ class ProblemType:
         return TYPE_PREFIX + self.slug
 
 
-KEY_REQUIRED: Final = ProblemType("key-required", 400, "Idempotency key required")
-KEY_MALFORMED: Final = ProblemType("key-malformed", 400, "Malformed idempotency key")
-SCOPE_MALFORMED: Final = ProblemType("scope-malformed", 400, "Malformed idempotency scope")
-BODY_TOO_LARGE: Final = ProblemType("body-too-large", 413, "Request body too large")
-IN_PROGRESS: Final = ProblemType("request-in-progress", 409, "A request with this key is in progress")
-FINGERPRINT_MISMATCH: Final = ProblemType(
-    "fingerprint-mismatch", 422, "Idempotency key reused with a different request"
+KEY_REQUIRED: Final = ProblemType(
+    "key-required", 400, "Idempotency key required", "This operation requires an idempotency key header."
 )
-OUTCOME_UNKNOWN: Final = ProblemType("outcome-unknown", 409, "Outcome of the first request is unknown")
-NOT_STORED: Final = ProblemType("response-not-stored", 409, "Request completed but its response was not stored")
-STORE_UNAVAILABLE: Final = ProblemType("store-unavailable", 503, "Idempotency store unavailable")
+KEY_MALFORMED: Final = ProblemType(
+    "key-malformed", 400, "Malformed idempotency key", "The idempotency key is malformed."
+)
+SCOPE_MALFORMED: Final = ProblemType(
+    "scope-malformed",
+    400,
+    "Malformed idempotency scope",
+    "The value records are scoped by (e.g. a tenant header) is ambiguous or cannot be stored.",
+)
+SCOPE_REQUIRED: Final = ProblemType(
+    "scope-required",
+    400,
+    "Idempotency scope required",
+    "This operation keeps idempotency records per caller, and this request names none "
+    "(no authenticated user, or no tenant header).",
+)
+BODY_TOO_LARGE: Final = ProblemType("body-too-large", 413, "Request body too large", "The request body is too large.")
+IN_PROGRESS: Final = ProblemType(
+    "request-in-progress",
+    409,
+    "A request with this key is in progress",
+    "The first request with this key is still running; retry after the indicated delay.",
+)
+FINGERPRINT_MISMATCH: Final = ProblemType(
+    "fingerprint-mismatch",
+    422,
+    "Idempotency key reused with a different request",
+    "This idempotency key was already used for a different request (method, path, query or body).",
+)
+OUTCOME_UNKNOWN: Final = ProblemType(
+    "outcome-unknown",
+    409,
+    "Outcome of the first request is unknown",
+    "A request with this key started but did not finish cleanly; its outcome is being reconciled. "
+    "Check the resource's state before trying again.",
+)
+NOT_STORED: Final = ProblemType(
+    "response-not-stored",
+    409,
+    "Request completed but its response was not stored",
+    "The request with this key completed, but its response was too large to store; "
+    "fetch the current state of the resource instead of retrying.",
+)
+KEY_QUOTA: Final = ProblemType(
+    "key-quota-exceeded",
+    429,
+    "Too many idempotency records for this caller",
+    "This caller holds its full share of the idempotency store; retry after the indicated delay.",
+)
+STORE_UNAVAILABLE: Final = ProblemType(
+    "store-unavailable",
+    503,
+    "Idempotency store unavailable",
+    "The idempotency store cannot be reached, so the request was not run; retry later.",
+)
+STORE_MISCONFIGURED: Final = ProblemType(
+    "store-misconfigured",
+    500,
+    "Idempotency store misconfigured",
+    "The server's idempotency store refuses it (credentials, rights or schema), so the request was not run.",
+)
 
 ALL: Final = (
     KEY_REQUIRED,
     KEY_MALFORMED,
     SCOPE_MALFORMED,
+    SCOPE_REQUIRED,
     BODY_TOO_LARGE,
     IN_PROGRESS,
     FINGERPRINT_MISMATCH,
     OUTCOME_UNKNOWN,
     NOT_STORED,
+    KEY_QUOTA,
     STORE_UNAVAILABLE,
+    STORE_MISCONFIGURED,
 )
 
 
-async def send_problem(send: Send, problem: ProblemType, detail: str, *, retry_after: int | None = None) -> None:
+async def send_problem(
+    send: Send, problem: ProblemType, detail: str | None = None, *, retry_after: int | None = None
+) -> None:
     """Send `problem` as a complete `application/problem+json` response."""
-    body = _encode({"type": problem.type, "title": problem.title, "status": problem.status, "detail": detail})
+    body = _encode(
+        {"type": problem.type, "title": problem.title, "status": problem.status, "detail": detail or problem.detail}
+    )
     headers = [
         (b"content-type", b"application/problem+json"),
         (b"content-length", str(len(body)).encode("ascii")),

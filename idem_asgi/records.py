@@ -27,6 +27,8 @@ class StoredResponse(msgspec.Struct, array_like=True, frozen=True, gc=False):
     headers: list[tuple[bytes, bytes]]
     body: bytes = b""
     replayable: bool = True
+    trailers: list[tuple[bytes, bytes]] | None = None
+    """HTTP trailers the app sent after the body (`http.response.trailers`), or None when it sent none."""
 
 
 class Record(msgspec.Struct, frozen=True, gc=False):
@@ -43,6 +45,11 @@ class Record(msgspec.Struct, frozen=True, gc=False):
     response: StoredResponse | None = None
     checkpoint: str | None = None
     """The last step a handler recorded on its claim (Postgres `checkpoint()`), for recovery."""
+    effect_committed: bool = False
+    """In progress, and the holder's `transaction()` committed (Postgres): the effect happened once."""
+    holder_failed: bool = False
+    """In progress, and its holder failed after its answer started or after it marked an effect: the
+    lease was ended at once, and `reclaim` never re-runs it (only recovery resolves it)."""
 
 
 class RecordKey(msgspec.Struct, frozen=True, gc=False):

@@ -25,11 +25,12 @@ from collections.abc import Iterable, Sequence
 from typing import Final, Literal, Protocol, runtime_checkable
 
 from . import problems
+from ._asgi import TooLarge, declared_too_large, read_body, replaying
 from ._types import ASGIApp, Receive, Scope, Send
 from .errors import ConfigurationError
-from .middleware import _replaying
-from .policy import Duration, compile_path, seconds
+from .policy import Duration, seconds
 from .problems import ProblemType
+from .routing import PathTable, method_set
 
 logger = logging.getLogger("idem_asgi")
 
@@ -202,7 +203,8 @@ class SignatureMiddleware:
 
     Args:
         app: The ASGI application (typically `IdempotencyMiddleware(...)`) to protect.
-        paths: Protected request paths: `/webhooks/stripe`, `/hooks/{provider}` (one segment) or `/hooks/*`.
+        paths: Protected request paths, relative to the mount (`scope["root_path"]`) as route policies are:
+            `/webhooks/stripe`, `/hooks/{provider}` (one segment) or `/hooks/*`.
         scheme: How the provider signs: `StripeScheme()`, `HmacScheme(...)`, or any `Scheme`.
         secrets: The signing secrets; several at once during a rotation (any one matching is accepted).
         secrets_env: Instead of `secrets`, the environment variable holding them, comma-separated
@@ -227,13 +229,8 @@ class SignatureMiddleware:
             paths = [paths]
         if not paths:
             raise ConfigurationError("SignatureMiddleware needs at least one path to protect")
-        compiled = [compile_path(p) for p in paths]
-        self._exact = frozenset(exact for exact, _ in compiled if exact is not None)
-        self._patterns = [regex for _, regex in compiled if regex is not None]
-        methods = (methods,) if isinstance(methods, str) else methods
-        self._methods = frozenset(m.upper() for m in methods)
-        if not self._methods:
-            raise ConfigurationError("SignatureMiddleware protects no method")
+        self.methods = method_set(methods, "SignatureMiddleware")
+        self._table: PathTable[bool] = PathTable((p, self.methods, True) for p in paths)
         if not isinstance(scheme, Scheme):
             raise ConfigurationError(f"{scheme!r} has no verify(headers, body, secrets) method")
         self.scheme = scheme
@@ -246,36 +243,23 @@ class SignatureMiddleware:
         # Never the secrets: this object ends up in tracebacks and debug pages.
         return f"SignatureMiddleware(scheme={self.scheme!r}, secrets=<{len(self._secrets)} hidden>)"
 
-    def _protects(self, path: str) -> bool:
-        return path in self._exact or any(r.fullmatch(path) for r in self._patterns)
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in self._methods or not self._protects(scope["path"]):
+        if scope["type"] != "http" or self._table.lookup(scope) is None:
             await self.app(scope, receive, send)
             return
         await self._verify(scope, receive, send)
 
     async def _verify(self, scope: Scope, receive: Receive, send: Send) -> None:
-        declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+        if declared_too_large(scope, self.max_body):
             await self._too_large(send)
             return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # http.disconnect: nothing verified, nothing run
-            chunk = message.get("body", b"")
-            if chunk:
-                size += len(chunk)
-                if size > self.max_body:
-                    await self._too_large(send)
-                    return
-                chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        try:
+            body = await read_body(receive, self.max_body)
+        except TooLarge:
+            await self._too_large(send)
+            return
+        if body is None:
+            return  # http.disconnect: nothing verified, nothing run
         try:
             self.scheme.verify(scope["headers"], body, self._secrets)
         except SignatureMalformed as exc:
@@ -286,7 +270,7 @@ class SignatureMiddleware:
             logger.warning("idem_asgi: webhook to %s refused (401): %s", scope["path"], exc)
             await problems.send_problem(send, SIGNATURE_INVALID, str(exc))
             return
-        await self.app(scope, _replaying(body, receive), send)
+        await self.app(scope, replaying(body, receive), send)
 
     async def _too_large(self, send: Send) -> None:
         await problems.send_problem(

@@ -277,6 +277,7 @@ class _FailingStore:
 
     def __init__(self, inner: Backend, armed: set[str], fired: set[str]) -> None:
         self.inner = inner
+        self.wrapped = inner  # PostgresBackend.transaction() finds its own claim through wrappers
         self._armed = armed
         self._fired = fired
 
@@ -298,6 +299,9 @@ class _FailingStore:
 
     async def extend(self, key: RecordKey, token: int, *, lease: float) -> bool:
         return await self.inner.extend(key, token, lease=lease)
+
+    async def mark_failed(self, key: RecordKey, token: int) -> bool:
+        return await self.inner.mark_failed(key, token)
 
     async def get(self, key: RecordKey) -> Record | None:
         return await self.inner.get(key)
@@ -728,11 +732,11 @@ def _configure(run: _Storm, report: StormReport, targets: Sequence[IdempotencyMi
         )
         return
     request = run.request
-    routes = [r for mw in targets if (r := mw._match(request.path, request.method)) is not None]
+    routes = [r for mw in targets if (r := mw.route_for(request.method, request.path)) is not None]
     if routes:
         run.excluded = routes[0].excluded
         run.release = routes[0].release_statuses
-    elif all(not mw._methods for mw in targets):
+    elif all(not mw.routes for mw in targets):
         report.hints.append("the IdempotencyMiddleware was built while idempotency was disabled (IDEM_ASGI_DISABLED)")
     else:
         report.hints.append(f"no RoutePolicy of the IdempotencyMiddleware matches {request.method} {request.path}")

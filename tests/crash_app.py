@@ -197,6 +197,9 @@ class CrashingBackend:
         self._trace("release", key, token, released, sent)
         return released
 
+    async def mark_failed(self, key: RecordKey, token: int) -> bool:
+        return await self.inner.mark_failed(key, token)
+
     async def extend(self, key: RecordKey, token: int, *, lease: float) -> bool:
         sent = time.time()
         try:

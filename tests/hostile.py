@@ -185,6 +185,10 @@ class Recorder:
         self.calls.append("release")
         return await self.inner.release(key, token)
 
+    async def mark_failed(self, key: RecordKey, token: int) -> bool:
+        self.calls.append("mark_failed")
+        return await self.inner.mark_failed(key, token)
+
     async def extend(self, key: RecordKey, token: int, *, lease: float) -> bool:
         self.calls.append("extend")
         return await self.inner.extend(key, token, lease=lease)

@@ -1,4 +1,4 @@
-"""MemoryBackend only: its bounds (TTL eviction, max_entries) and its injectable clock."""
+"""MemoryBackend only: its bounds (TTL expiry, entries, bytes, per-scope share) and its injectable clock."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from idem_asgi._decide import Action, decide
 from idem_asgi.backends import MemoryBackend
-from idem_asgi.errors import BackendUnavailable, ConfigurationError
+from idem_asgi.errors import BackendUnavailable, ConfigurationError, StoreFull
 from idem_asgi.records import COMPLETED, Claimed, Existing, RecordKey, StoredResponse
 
 RESPONSE = StoredResponse(201, [(b"content-type", b"text/plain")], b"ok")
@@ -29,27 +29,82 @@ def k(i: int | str) -> RecordKey:
     return RecordKey.build("mem", None, f"key-{i}")
 
 
-async def test_max_entries_bound_holds_under_a_flood_of_keys() -> None:
-    backend = MemoryBackend(max_entries=100)
+async def test_max_entries_bound_holds_under_a_flood_of_keys_and_the_store_refuses_past_it() -> None:
+    clock = Clock()
+    backend = MemoryBackend(max_entries=100, scope_share=1.0, clock=clock)
+    admitted = refused = 0
     for i in range(5_000):
-        result = await backend.claim(k(i), b"fp", lease=30, ttl=3_600)
-        assert isinstance(result, Claimed)
-        assert await backend.complete(k(i), result.token, RESPONSE, ttl=3_600)
+        try:
+            result = await backend.claim(k(i), b"fp", lease=30, ttl=60)
+        except StoreFull as exc:
+            assert not exc.scope_quota
+            refused += 1
+        else:
+            assert isinstance(result, Claimed)
+            assert await backend.complete(k(i), result.token, RESPONSE, ttl=60)
+            admitted += 1
         assert len(backend) <= 100
+        if i % 1_000 == 999:
+            clock.now += 61  # every answer so far expires: room again
+    assert admitted == 500 and refused == 4_500
     # The expiry index stays bounded too, not just the dict.
     assert len(backend._expiry) <= 2 * 100 + 1024 + 1
 
 
-async def test_max_entries_evicts_the_oldest_completed_answer_first() -> None:
-    backend = MemoryBackend(max_entries=10)
-    running = await backend.claim(k("running"), b"fp", lease=30, ttl=3_600)
-    for i in range(25):
+async def test_a_full_store_never_evicts_a_live_completed_record_to_make_room() -> None:
+    backend = MemoryBackend(max_entries=10, scope_share=1.0)
+    tokens = []
+    for i in range(10):
         claimed = await backend.claim(k(i), b"fp", lease=30, ttl=3_600)
         assert isinstance(claimed, Claimed)
+        tokens.append(claimed.token)
         await backend.complete(k(i), claimed.token, RESPONSE, ttl=3_600)
-    assert [await backend.get(k(i)) is not None for i in range(25)] == [False] * 16 + [True] * 9
-    kept = await backend.get(k("running"))
-    assert isinstance(running, Claimed) and kept is not None and kept.token == running.token
+    with pytest.raises(StoreFull, match="full"):
+        await backend.claim(k("new"), b"fp", lease=30, ttl=3_600)
+    # Every completed answer is still there and replayable: a repeat never runs a second time.
+    for i in range(10):
+        rec = await backend.get(k(i))
+        assert rec is not None and rec.state == COMPLETED and rec.response == RESPONSE
+        assert decide(Existing(rec, 0.0), b"fp") is Action.REPLAY
+
+
+async def test_the_byte_budget_refuses_new_claims_and_keeps_an_answer_over_it_as_not_replayable() -> None:
+    big = StoredResponse(201, [(b"content-type", b"application/octet-stream")], b"x" * 600)
+    backend = MemoryBackend(max_bytes=1_000, scope_share=1.0)
+    first = await backend.claim(k("a"), b"fp", lease=30, ttl=3_600)
+    second = await backend.claim(k("b"), b"fp", lease=30, ttl=3_600)
+    assert isinstance(first, Claimed) and isinstance(second, Claimed)
+    assert await backend.complete(k("a"), first.token, big, ttl=3_600)
+    assert await backend.complete(k("b"), second.token, big, ttl=3_600)  # does not fit: outcome kept, not bytes
+    kept = await backend.get(k("b"))
+    assert kept is not None and kept.state == COMPLETED and kept.response is not None
+    assert kept.response.replayable is False and kept.response.body == b""
+    assert decide(Existing(kept, 0.0), b"fp") is Action.NOT_STORED  # 409 response-not-stored, never a re-run
+    assert backend.stored_bytes <= 1_000
+    more = StoredResponse(201, [], b"y" * (1_000 - backend.stored_bytes))  # fills it exactly
+    third = await backend.claim(k("c"), b"fp", lease=30, ttl=3_600)
+    assert isinstance(third, Claimed)
+    assert await backend.complete(k("c"), third.token, more, ttl=3_600)
+    with pytest.raises(StoreFull, match="bytes"):
+        await backend.claim(k("d"), b"fp", lease=30, ttl=3_600)
+
+
+async def test_one_scope_cannot_take_more_than_its_share_and_others_keep_working() -> None:
+    backend = MemoryBackend(max_entries=100, scope_share=0.1)
+
+    def key(scope: str, i: int) -> RecordKey:
+        return RecordKey.build("mem", scope, f"key-{i}")
+
+    for i in range(10):
+        assert isinstance(await backend.claim(key("greedy", i), b"fp", lease=30, ttl=3_600), Claimed)
+    with pytest.raises(StoreFull) as raised:
+        await backend.claim(key("greedy", 10), b"fp", lease=30, ttl=3_600)
+    assert raised.value.scope_quota
+    for i in range(10):  # another tenant is not affected
+        assert isinstance(await backend.claim(key("modest", i), b"fp", lease=30, ttl=3_600), Claimed)
+    # The unscoped key space of single-tenant routes is one tenant: the share does not apply.
+    for i in range(50):
+        assert isinstance(await backend.claim(k(i), b"fp", lease=30, ttl=3_600), Claimed)
 
 
 async def test_a_store_full_of_running_operations_refuses_new_claims() -> None:
@@ -149,11 +204,13 @@ def test_one_instance_shared_by_several_event_loops_keeps_one_winner_per_key() -
     assert sorted(winners) == list(range(300))
 
 
-async def test_a_full_store_evicts_in_constant_order_and_keeps_its_bound() -> None:
-    backend = MemoryBackend(max_entries=1_000)
+async def test_a_full_store_admits_in_constant_time_as_records_expire() -> None:
+    clock = Clock()
+    backend = MemoryBackend(max_entries=1_000, clock=clock, scope_share=1.0)
     for i in range(20_000):
-        claimed = await backend.claim(k(i), b"fp", lease=30, ttl=3_600)
+        clock.now += 0.01
+        claimed = await backend.claim(k(i), b"fp", lease=5, ttl=9.995)  # 1,000 live at any time
         assert isinstance(claimed, Claimed)
-        assert await backend.complete(k(i), claimed.token, RESPONSE, ttl=3_600)
-    assert len(backend) == 1_000
-    assert [await backend.get(k(i)) is not None for i in (0, 18_999, 19_000, 19_999)] == [False, False, True, True]
+        assert await backend.complete(k(i), claimed.token, RESPONSE, ttl=9.995)
+    assert len(backend) <= 1_000
+    assert [await backend.get(k(i)) is not None for i in (0, 18_000, 19_999)] == [False, False, True]

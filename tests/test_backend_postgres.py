@@ -15,6 +15,7 @@ import asyncpg
 import pytest
 
 from idem_asgi.backends.postgres import ClaimLost, PostgresBackend, StaleRecord
+from idem_asgi.context import held_claim
 from idem_asgi.errors import BackendUnavailable, ConfigurationError
 from idem_asgi.records import COMPLETED, IN_PROGRESS, Claimed, Existing, RecordKey, StoredResponse
 from tests.servers import POSTGRES_DSN, free_port, require
@@ -495,9 +496,12 @@ async def test_transaction_commits_the_effect_with_the_claim(
 ) -> None:
     claimed = await pg.claim(k(), b"fp", lease=0.2, ttl=DAY)
     assert isinstance(claimed, Claimed)
-    async with pg.transaction() as conn:
-        await conn.execute(f"INSERT INTO {ledger} VALUES ($1, 100)", "key-1")
-        assert await state_of(raw, pg, "key-1") == b"p"  # nothing visible before COMMIT
+    with held_claim(pg, k(), claimed.token) as held:
+        async with pg.transaction() as conn:
+            await conn.execute(f"INSERT INTO {ledger} VALUES ($1, 100)", "key-1")
+            assert await state_of(raw, pg, "key-1") == b"p"  # nothing visible before COMMIT
+            assert not held.effect
+        assert held.effect  # committed: the request's failure can no longer release it
     assert await state_of(raw, pg, "key-1") == b"e"
     assert await raw.fetchval(f"SELECT count(*) FROM {ledger}") == 1
     rec = await pg.get(k())
@@ -518,7 +522,7 @@ async def test_a_failed_transaction_leaves_only_a_claim_that_can_run_again(
 ) -> None:
     claimed = await pg.claim(k(), b"fp", lease=0.2, ttl=DAY)
     assert isinstance(claimed, Claimed)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError), held_claim(pg, k(), claimed.token):
         async with pg.transaction() as conn:
             await conn.execute(f"INSERT INTO {ledger} VALUES ($1, 100)", "key-1")
             raise RuntimeError("the handler failed after its write")
@@ -540,12 +544,13 @@ async def test_a_holder_whose_claim_was_taken_over_cannot_commit(
     async def new_holder() -> int:  # another request, in its own context
         taken = await pg.takeover(k(), claimed.token, b"fp", lease=30, ttl=DAY)
         assert isinstance(taken, Claimed)
-        async with pg.transaction() as conn:
-            await conn.execute(f"INSERT INTO {ledger} VALUES ($1, 2)", "key-1")
+        with held_claim(pg, k(), taken.token):
+            async with pg.transaction() as conn:
+                await conn.execute(f"INSERT INTO {ledger} VALUES ($1, 2)", "key-1")
         return taken.token
 
     new_token = await asyncio.create_task(new_holder())
-    with pytest.raises(ClaimLost):
+    with pytest.raises(ClaimLost), held_claim(pg, k(), claimed.token):
         async with pg.transaction() as conn:  # the old holder, late
             await conn.execute(f"INSERT INTO {ledger} VALUES ($1, 1)", "key-1")
     assert [tuple(r) for r in await raw.fetch(f"SELECT * FROM {ledger}")] == [("key-1", 2)]
@@ -560,8 +565,9 @@ async def test_concurrent_requests_each_mark_their_own_claim(
         claimed = await pg.claim(k(f"key-{i}"), b"fp", lease=30, ttl=DAY)
         assert isinstance(claimed, Claimed)
         await asyncio.sleep(0.01 * (i % 3))
-        async with pg.transaction() as conn:
-            await conn.execute(f"INSERT INTO {ledger} VALUES ($1, $2)", f"key-{i}", i)
+        with held_claim(pg, k(f"key-{i}"), claimed.token):
+            async with pg.transaction() as conn:
+                await conn.execute(f"INSERT INTO {ledger} VALUES ($1, $2)", f"key-{i}", i)
 
     await asyncio.gather(*[request(i) for i in range(20)])
     rows = await raw.fetch(f"SELECT key, state FROM {pg.table}")
@@ -576,6 +582,8 @@ async def test_transaction_inside_your_own_unit_of_work(
     assert isinstance(claimed, Claimed)
     conn = await asyncpg.connect(POSTGRES_DSN)
     try:
+        held = held_claim(pg, k(), claimed.token)
+        held.__enter__()
         outer = conn.transaction()
         await outer.start()
         async with pg.transaction(conn) as same:
@@ -589,6 +597,7 @@ async def test_transaction_inside_your_own_unit_of_work(
             await conn.execute(f"INSERT INTO {ledger} VALUES ($1, 100)", "key-1")
         assert await state_of(raw, pg, "key-1") == b"e"
         assert await raw.fetchval(f"SELECT count(*) FROM {ledger}") == 1
+        held.__exit__(None, None, None)
     finally:
         await conn.close()
 
@@ -605,7 +614,7 @@ async def test_transaction_without_a_claim_is_a_plain_transaction(
     claimed = await pg.claim(k(), b"fp", lease=30, ttl=DAY)
     assert isinstance(claimed, Claimed)
     other = PostgresBackend(table=pg.table.strip('"'))
-    with pytest.raises(ConfigurationError):
+    with pytest.raises(ConfigurationError), held_claim(pg, k(), claimed.token):
         async with other.transaction():
             pass
 

@@ -134,6 +134,9 @@ class FlakyStore:
     async def release(self, key: RecordKey, token: int) -> bool:
         return await self.inner.release(key, token)
 
+    async def mark_failed(self, key: RecordKey, token: int) -> bool:
+        return await self.inner.mark_failed(key, token)
+
     async def extend(self, key: RecordKey, token: int, *, lease: float) -> bool:
         return await self.inner.extend(key, token, lease=lease)
 

@@ -41,7 +41,8 @@ def client(backend: Backend, namespace: str, counts: Counter[str], **policy: Any
     ]
     mw = IdempotencyMiddleware(counting_app(counts), backend=backend, routes=routes, namespace=namespace,
                                scope=scope_from_header("x-user"))
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=mw), base_url="http://t")
+    # The bookings route is scoped by user: every request names its user (a missing one is 400).
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=mw), base_url="http://t", headers={"x-user": "u1"})
 
 
 BOOKING = {"user": "u1", "booking": "b-7", "amount": 4200}

@@ -136,10 +136,11 @@ def test_two_scopes_never_see_each_others_records_or_bytes(store: Store) -> None
             assert again_a.body == first_a.body and again_b.body == first_b.body
             assert again_a.header("idempotent-replayed") == again_b.header("idempotent-replayed") == b"true"
             assert app.calls == calls + 2
+            # (";sha=" ends the tenant field: one tenant may be a prefix of the other, "x" and "x;")
             for answer in (first_a, again_a):
-                assert body_b not in answer.body and b"tenant=" + tb + b";" not in answer.body
+                assert body_b not in answer.body and b"tenant=" + tb + b";sha=" not in answer.body
             for answer in (first_b, again_b):
-                assert body_a not in answer.body and b"tenant=" + ta + b";" not in answer.body
+                assert body_a not in answer.body and b"tenant=" + ta + b";sha=" not in answer.body
             for t, k, mine, other in ((ta, ka, first_a, body_b), (tb, kb, first_b, body_a)):
                 record = await store.backend.get(RecordKey.build(namespace, t.decode("latin-1"), k.decode()))
                 assert record is not None and record.state == COMPLETED and record.response is not None
@@ -258,8 +259,9 @@ def rss() -> int:
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the RSS from /proc")
 def test_a_flood_of_100k_keys_cannot_grow_the_memory_store_past_its_bound() -> None:
     """100,000 distinct keys through the middleware into a store bounded at 10,000 entries, while 50
-    claims stay running. Memory: tracemalloc over the filling of the store gives its size per entry;
-    the RSS after the other 90,000 keys must not grow by what 90,000 more entries would take."""
+    claims stay running. Once full, new keys are refused (503 + Retry-After) and no record is evicted
+    (a replay is never lost to make room). Memory: tracemalloc over the filling of the store gives its
+    size per entry; the RSS after the other 90,000 keys must not grow by what they would take."""
     bound, flood, running = 10_000, 100_000, 50
     backend = MemoryBackend(max_entries=bound)
     gate = Gate()
@@ -289,7 +291,6 @@ def test_a_flood_of_100k_keys_cannot_grow_the_memory_store_past_its_bound() -> N
         return {
             "records": len(backend),
             "keys": len(backend._keys),
-            "completed_index": len(backend._completed),
             "expiry_heap": len(backend._expiry),
         }
 
@@ -320,7 +321,7 @@ def test_a_flood_of_100k_keys_cannot_grow_the_memory_store_past_its_bound() -> N
                 now = sizes()
                 every_10k.append(now["records"])
                 assert now["records"] == now["keys"] == bound
-                assert now["completed_index"] <= bound and now["expiry_heap"] <= 2 * bound + 1024
+                assert now["expiry_heap"] <= 2 * bound + 1024
         gc.collect()
         rss_after = rss()
         per_entry = store_bytes / (bound - running)
@@ -335,17 +336,18 @@ def test_a_flood_of_100k_keys_cannot_grow_the_memory_store_past_its_bound() -> N
             rss_after_flood_mib=round(rss_after / MiB, 1),
             unbounded_would_add_mib=round((flood - bound) * per_entry / MiB, 1),
         )
-        assert statuses == {201: flood}  # completed answers make room: no request was refused
+        # full of live records: every key past the bound was refused, none evicted to make room
+        assert statuses == {201: bound - running, 503: flood - bound + running}
         # 90,000 more keys added (almost) nothing: an unbounded store would have grown ~9x
         assert rss_after - rss_full < min(8 * MiB, 0.1 * (flood - bound) * per_entry), figures
         # running claims were never evicted, however many completed answers came after them
         for i in range(running):
             record = await backend.get(RecordKey.build("idem", None, f"held-{i}"))
             assert record is not None and record.state == IN_PROGRESS
-        # the oldest completed answers went first; the newest are all there
-        assert await backend.get(RecordKey.build("idem", None, "flood-0")) is None
-        newest = [await backend.get(RecordKey.build("idem", None, f"flood-{i}")) for i in range(flood - 100, flood)]
-        assert all(r is not None and r.state == COMPLETED for r in newest)
+        # every completed answer is still there; the refused keys left nothing behind
+        stored = [await backend.get(RecordKey.build("idem", None, f"flood-{i}")) for i in range(bound - running)]
+        assert all(r is not None and r.state == COMPLETED for r in stored)
+        assert await backend.get(RecordKey.build("idem", None, f"flood-{flood - 1}")) is None
         gate.open.set()
         answers = await asyncio.gather(*held)
         assert {a.status for a in answers} == {201} and gate.done == running
@@ -360,11 +362,14 @@ def test_a_flood_of_100k_keys_cannot_grow_the_memory_store_past_its_bound() -> N
 @pytest.mark.memory
 def test_a_memory_store_full_of_running_claims_answers_503_and_evicts_none() -> None:
     bound = 200
-    backend = MemoryBackend(max_entries=bound)
+    clock = [1_000_000.0]
+    backend = MemoryBackend(max_entries=bound, clock=lambda: clock[0])
     gate = Gate()
     recorder = Recorder(backend)
     mw = IdempotencyMiddleware(
-        gate, backend=recorder, routes=[RoutePolicy("/slow", methods=["POST"], single_tenant=True, lease=3600)]
+        gate,
+        backend=recorder,
+        routes=[RoutePolicy("/slow", methods=["POST"], single_tenant=True, lease=3600, ttl=7200)],
     )
     body = messages_of([b"{}"])
 
@@ -381,8 +386,13 @@ def test_a_memory_store_full_of_running_claims_answers_503_and_evicts_none() -> 
         assert all(r is not None and r.state == IN_PROGRESS for r in running)
         gate.open.set()
         assert {a.status for a in await asyncio.gather(*held)} == {201}
-        # completed answers can now make room: the refused keys run (and evict the oldest answers)
-        retried = [await call(mw, flood_request("/slow", b"more-%d" % i), body) for i in range(300)]
+        # completed answers are kept for their TTL: still no room, and every answer still replays
+        refused = [await call(mw, flood_request("/slow", b"more-%d" % i), body) for i in range(10)]
+        assert {a.status for a in refused} == {503}
+        replays = [await call(mw, flood_request("/slow", b"run-%d" % i), body) for i in range(bound)]
+        assert {a.header("idempotent-replayed") for a in replays} == {b"true"}
+        clock[0] += 7201  # their TTL is over: room again
+        retried = [await call(mw, flood_request("/slow", b"more-%d" % i), body) for i in range(bound)]
         assert {a.status for a in retried} == {201} and len(backend) == bound
 
     asyncio.run(scenario())

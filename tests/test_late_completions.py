@@ -74,10 +74,10 @@ async def post(mw: IdempotencyMiddleware) -> Result:
 
 async def settled(mw: IdempotencyMiddleware) -> None:
     """Wait until the middleware's background writes are done."""
-    tasks = set(mw._late._tasks)
+    tasks = set(mw.late._tasks)
     if tasks:
         await asyncio.wait(tasks, timeout=5)
-    assert mw._late.pending == 0
+    assert mw.late.pending == 0
 
 
 def record_key() -> RecordKey:
@@ -146,7 +146,7 @@ async def test_a_takeover_meanwhile_fences_the_late_write_off(caplog: pytest.Log
     record = await store.get(record_key())
     assert record is not None and record.state == IN_PROGRESS and record.fingerprint == b"other"
     assert [e.name for e in events][-1] == "lease_lost"
-    assert "was taken over; this answer was not stored" in caplog.text
+    assert "was no longer held by this request; this answer was not stored" in caplog.text
 
 
 async def test_gives_up_after_the_window_and_leaves_the_claim(
@@ -165,7 +165,7 @@ async def test_gives_up_after_the_window_and_leaves_the_claim(
     record = await store.get(record_key())
     assert record is not None and record.state == IN_PROGRESS  # never released: the effect happened
     assert "gave up storing the answer" in caplog.text
-    assert mw._late._pending_bytes == 0
+    assert mw.late._pending_bytes == 0
 
 
 async def test_pending_answers_are_bounded_in_bytes(
@@ -179,5 +179,5 @@ async def test_pending_answers_are_bounded_in_bytes(
         first = await post(mw)
 
     assert first.status == 201
-    assert mw._late.pending == 0 and store.completes == 1  # nothing retried: over the bound
+    assert mw.late.pending == 0 and store.completes == 1  # nothing retried: over the bound
     assert "too many answers waiting for the store" in caplog.text

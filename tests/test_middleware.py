@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
@@ -36,8 +37,9 @@ from idem_asgi.context import IdempotencyInfo
 from idem_asgi.errors import ConfigurationError
 from idem_asgi.keys import scope_from_header
 from idem_asgi.records import COMPLETED, IN_PROGRESS, ClaimResult, Record, RecordKey
-from tests.asgi import Result, drive, http_scope, read_body
+from tests.asgi import drive, http_scope, read_body
 from tests.servers import POSTGRES_DSN, REDIS_URL, free_port, require
+from tests.support import assert_problem
 
 KEY = "pay-7f3a"
 BODY = b'{"amount":1230,"currency":"EUR"}'
@@ -109,6 +111,10 @@ class Tripwire:
         self.calls.append("release")
         raise AssertionError("release must not be called")
 
+    async def mark_failed(self, key: RecordKey, token: int) -> bool:
+        self.calls.append("mark_failed")
+        raise AssertionError("mark_failed must not be called")
+
     async def extend(self, key: RecordKey, token: int, *, lease: float) -> bool:
         self.calls.append("extend")
         raise AssertionError("extend must not be called")
@@ -163,31 +169,6 @@ async def post(
 def rk(namespace: str, key: str = KEY, scope: str | None = None) -> RecordKey:
     """The record key the middleware uses for (namespace, scope, key)."""
     return RecordKey.build(namespace, scope, key)
-
-
-def assert_problem(response: httpx.Response | Result, problem: problems.ProblemType) -> dict[str, Any]:
-    """Assert an RFC 9457 refusal of the given kind: status, type, no-store, no stack trace."""
-    if isinstance(response, Result):
-        status, body = response.status, response.body
-        result = response
-
-        def get(name: str) -> str | None:
-            value = result.header(name)
-            return None if value is None else value.decode("latin-1")
-
-    else:
-        status, body, get = response.status_code, response.content, response.headers.get
-    assert status == problem.status, body
-    assert get("content-type") == "application/problem+json"
-    assert get("cache-control") == "no-store"
-    assert get("idempotent-replayed") is None
-    doc: dict[str, Any] = json.loads(body)
-    assert doc["type"] == problem.type
-    assert doc["status"] == problem.status
-    assert doc["title"] == problem.title
-    assert isinstance(doc["detail"], str) and doc["detail"]
-    assert "Traceback" not in body.decode()
-    return doc
 
 
 @contextlib.asynccontextmanager
@@ -717,7 +698,7 @@ async def test_expired_record_is_treated_as_new(backend: Backend, namespace: str
 # --- pass-through ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["lifespan", "websocket"])
+@pytest.mark.parametrize("kind", ["websocket"])
 async def test_non_http_scopes_pass_through_untouched(kind: str) -> None:
     seen: dict[str, Any] = {}
 
@@ -795,6 +776,9 @@ def test_problem_types_are_stable() -> None:
         "outcome-unknown": (409, "urn:idem-asgi:problem:outcome-unknown"),
         "response-not-stored": (409, "urn:idem-asgi:problem:response-not-stored"),
         "store-unavailable": (503, "urn:idem-asgi:problem:store-unavailable"),
+        "scope-required": (400, "urn:idem-asgi:problem:scope-required"),
+        "key-quota-exceeded": (429, "urn:idem-asgi:problem:key-quota-exceeded"),
+        "store-misconfigured": (500, "urn:idem-asgi:problem:store-misconfigured"),
     }
 
 
@@ -895,8 +879,11 @@ async def test_pathsend_and_zerocopysend_are_hidden_from_the_app_on_protected_ro
     assert set(extensions) == {"http.response.pathsend", "http.response.zerocopysend", "http.response.trailers"}
 
 
-def test_strict_mode_refuses_to_start_without_a_scope_callable() -> None:
+def test_secure_by_default_a_route_without_scope_or_single_tenant_refuses_to_start() -> None:
     app = Payments()
+    with pytest.raises(ConfigurationError, match="scope_from_user") as raised:
+        IdempotencyMiddleware(app, routes=[RoutePolicy("/payments")])  # strict is the default
+    assert "single_tenant=True" in str(raised.value) and "/payments" in str(raised.value)
     with pytest.raises(ConfigurationError, match="scope"):
         IdempotencyMiddleware(app, routes=[RoutePolicy("/payments")], strict=True)
     # Either a scope callable or a single-tenant declaration satisfies strict mode.
@@ -904,11 +891,21 @@ def test_strict_mode_refuses_to_start_without_a_scope_callable() -> None:
     IdempotencyMiddleware(app, routes=[RoutePolicy("/payments", single_tenant=True)], strict=True)
 
 
-def test_missing_scope_callable_warns_once_at_start(caplog: pytest.LogCaptureFixture) -> None:
+def test_strict_false_only_warns_once_per_process_about_a_missing_scope(caplog: pytest.LogCaptureFixture) -> None:
+    path = f"/payments-{uuid.uuid4().hex}"
+    routes = [RoutePolicy(path), RoutePolicy("/t", single_tenant=True)]
     with caplog.at_level(logging.WARNING, logger="idem_asgi"):
-        IdempotencyMiddleware(Payments(), routes=[RoutePolicy("/payments"), RoutePolicy("/t", single_tenant=True)])
+        for _ in range(5):  # a framework building one middleware per handler
+            IdempotencyMiddleware(Payments(), routes=routes, strict=False)
     warnings = [r for r in caplog.records if r.name == "idem_asgi" and r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "/payments" in warnings[0].getMessage()
+    assert len(warnings) == 1 and path in warnings[0].getMessage()
+
+
+def test_single_tenant_and_a_scope_callable_contradict() -> None:
+    with pytest.raises(ConfigurationError, match="contradict"):
+        IdempotencyMiddleware(
+            Payments(), routes=[RoutePolicy("/payments", single_tenant=True, scope=scope_from_header("x-tenant"))]
+        )
 
 
 async def test_scopes_isolate_keys(backend: Backend, namespace: str) -> None:

@@ -182,6 +182,13 @@ class WorkerStore:
         record = await self.inner.get(key)
         return record.token if record is not None and record.state == IN_PROGRESS else token
 
+    async def mark_failed(self, key: RecordKey, token: int) -> bool:
+        if self.dead:
+            # A cancelled request whose answer had started ends its lease at once: the one call a
+            # cancellation makes. A killed worker runs no code, so its store never sees it.
+            raise BackendUnavailable("this worker crashed")
+        return await self.inner.mark_failed(self._key(key), token)
+
     async def extend(self, key: RecordKey, token: int, *, lease: float) -> bool:
         return await self.inner.extend(self._key(key), token, lease=lease)
 
@@ -247,6 +254,7 @@ class Rec:
     answer: Answer | None  # the stored answer once completed
     lease_until: float
     expires_at: float
+    failed: bool = False  # its holder failed mid-answer: outcome-unknown at once, never reclaimed
 
 
 def app_answer(op: Op, execution: int, outcome: str) -> tuple[int, list[tuple[bytes, bytes]], list[bytes]]:
@@ -499,6 +507,8 @@ class IdempotencyModel(RuleBasedStateMachine):
             return "mismatch"
         if rec.answer is not None:
             return "replay"
+        if rec.failed:
+            return "unknown"  # the answer had started: the operation may have happened, never run again
         if self.now < rec.lease_until:
             return "busy"
         return "run" if self.policy[fp[0]] == "reclaim" else "unknown"
@@ -592,6 +602,8 @@ class IdempotencyModel(RuleBasedStateMachine):
         self.check_first(op, op.mode)
         if op.mode in STORED:
             self.records[rkey] = Rec(fp, None, self.stored_answer(op, op.mode), self.now, self.now + TTL)
+        elif op.mode == "raise_mid":
+            self.records[rkey] = Rec(fp, None, None, self.now, self.now + TTL, failed=True)
         else:
             self.records.pop(rkey, None)
 
@@ -753,6 +765,8 @@ class IdempotencyModel(RuleBasedStateMachine):
             self.c["completion_after_ttl_accepted"] += 1
         if outcome in STORED:
             self.records[op.rkey] = Rec(rec.fp, None, self.stored_answer(op, outcome), self.now, self.now + TTL)
+        elif outcome == "raise_mid":
+            self.records[op.rkey] = Rec(rec.fp, None, None, self.now, rec.expires_at, failed=True)
         else:
             del self.records[op.rkey]
 
@@ -777,7 +791,11 @@ class IdempotencyModel(RuleBasedStateMachine):
         types = [m["type"] for m in op.result.messages]
         sent = [] if op.mode == "hold" else ["http.response.start", "http.response.body"]
         check(types == sent, f"{op}: a crashed worker's client got {types}")
-        # The record stays in progress under the dead worker's token until its lease ends.
+        # The record stays in progress under the dead worker's token until its lease ends; a cancelled
+        # worker whose answer had started (and that still reaches the store) ends the lease at once.
+        rec = self.records.get(op.rkey) if op.gen == self.gen else None
+        if not kill and op.mode == "hold_mid" and rec is not None and rec.owner is op and rec.expires_at > self.now:
+            self.records[op.rkey] = Rec(rec.fp, None, None, self.now, rec.expires_at, failed=True)
 
     @rule(jump=st.sampled_from(("past_lease", "past_lease", "past_lease", "past_ttl")))
     def advance_clock(self, jump: str) -> None:

@@ -14,7 +14,8 @@ from idem_asgi._types import Receive, Scope, Send
 from idem_asgi.backends import MemoryBackend
 from idem_asgi.errors import ConfigurationError
 from idem_asgi.keys import scope_from_header
-from idem_asgi.policy import compile_path, seconds
+from idem_asgi.policy import seconds
+from idem_asgi.routing import compile_path
 from tests.asgi import drive, http_scope
 
 

@@ -51,3 +51,21 @@ async def test_readme_quickstart_gives_one_charge_under_200_concurrent_retries()
     assert late.content == first.content and late.headers["idempotent-replayed"] == "true"
     backend = app.user_middleware[0].kwargs["backend"]
     await backend.aclose()
+
+
+def test_readme_framework_snippets_run_as_printed_with_the_compressor_outside() -> None:
+    from starlette.middleware.gzip import GZipMiddleware
+
+    from idem_asgi import IdempotencyMiddleware
+
+    text = README.read_text()
+    section = text[text.index("### Other frameworks") :]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match is not None
+    namespace: dict[str, Any] = {}
+    exec(compile(match.group(1), "README.md", "exec"), namespace)  # every snippet, imports included
+    assert isinstance(namespace["app"], IdempotencyMiddleware)  # the last one: Falcon wrapped
+    starlette_lines = match.group(1)[match.group(1).index("# Starlette") :]
+    gzip_at = starlette_lines.index("Middleware(GZipMiddleware)")
+    assert gzip_at < starlette_lines.index("Middleware(IdempotencyMiddleware")  # listed first = outermost
+    assert GZipMiddleware.__name__ in match.group(1)

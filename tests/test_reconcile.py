@@ -14,6 +14,7 @@ import pytest
 from idem_asgi import problems
 from idem_asgi.backends import Backend
 from idem_asgi.backends.redis import RedisBackend
+from idem_asgi.context import held_claim
 from idem_asgi.reconcile import ReconcilableBackend, ReconcileReport, reconcile, resolver_from_recover
 from idem_asgi.records import COMPLETED, IN_PROGRESS, Claimed, Record, RecordKey, StaleRecord, StoredResponse
 from tests.asgi import drive, http_scope
@@ -221,8 +222,9 @@ async def test_postgres_committed_effect_is_completed_under_its_token_never_rele
     for key in committed:
         claimed = await pg.claim(key, b"fp", lease=0.1, ttl=DAY)
         assert isinstance(claimed, Claimed)
-        async with pg.transaction():  # the handler's writes committed with the claim's mark
-            pass
+        with held_claim(pg, key, claimed.token):
+            async with pg.transaction():  # the handler's writes committed with the claim's mark
+                pass
     await asyncio.sleep(0.25)
 
     report = await reconcile(

@@ -21,7 +21,7 @@ Asserted (every fenced write is seen in the store-call trace both workers write,
 - A's own client gets A's own answer, as the middleware does when its completion is refused: the
   response was already streaming, so the client gets the app's status and body (201 with A's body
   for the complete keys, the app's 500 for the release keys), never a replay and never a 5xx from
-  the middleware; the refusal is logged (`was taken over; this answer was not stored`);
+  the middleware; the refusal is logged (`was no longer held by this request; this answer was not stored`);
 - the ledger: under `reclaim` the handler ran twice per key BY DESIGN, once per fencing epoch
   (A's ledger and B's ledger are separate runs: exactly 1 each).
 
@@ -218,7 +218,7 @@ async def test_stale_owner_is_fenced_out_and_the_stored_answer_is_the_takers(sha
         assert mine.status == (201 if key in complete_keys else 500), (key, mine.status, mine.body)
         assert body_pid(mine) == a_pid and mine.body != first.body
         if key in complete_keys:
-            assert f"key {key!r} was taken over; this answer was not stored" in log, log[-2000:]
+            assert f"key {key!r} was no longer held by this request; this answer was not stored" in log, log[-2000:]
 
         # The store keeps B's answer: record, and replays through both workers.
         record = records[key]

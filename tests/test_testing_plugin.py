@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from idem_asgi import IdempotencyMiddleware, RoutePolicy
+from idem_asgi._request import Protected
 from idem_asgi._types import ASGIApp, Message, Receive, Scope, Send
 from idem_asgi.backends import MemoryBackend
 from idem_asgi.testing import FAULTS, find_middleware, storm
@@ -159,7 +160,7 @@ async def test_replay_that_differs_and_ignored_body_are_reported() -> None:
     assert "mismatch requests got 201-replay x1; expected 422 fingerprint-mismatch" in str(failed.value)
 
 
-async def test_an_exception_from_the_middleware_itself_is_reported() -> None:
+async def test_an_exception_from_the_middleware_itself_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     charges: Counter[str] = Counter()
     inner = payments_app(charges, middleware=lambda app: app)  # bare FastAPI app; we wrap it ourselves
     mw = IdempotencyMiddleware(inner, backend=MemoryBackend(), routes=ROUTES)
@@ -167,7 +168,7 @@ async def test_an_exception_from_the_middleware_itself_is_reported() -> None:
     async def broken_replay(*args: Any) -> None:
         raise RuntimeError("replay exploded")
 
-    mw._replay = broken_replay  # type: ignore[method-assign]
+    monkeypatch.setattr(Protected, "_replay", broken_replay)
     report = await storm(mw, json={"amount": 1}, key="mw500", concurrency=3, repeats=1, faults=(), probe=charges)
     with pytest.raises(AssertionError, match=r"idem_asgi itself raised RuntimeError\('replay exploded'\)"):
         report.assert_ok()

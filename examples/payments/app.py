@@ -263,6 +263,10 @@ def create_app(
                 return problem(504, "provider-timeout", "The card provider did not answer; retry with the same key.")
             except ProviderError as exc:
                 return problem(502, "provider-error", str(exc))
+            # Money may have moved: from here on a failure (say, the order write below raising) must
+            # not release the claim for a retry to charge again; the record ends outcome-unknown.
+            if info is not None:
+                info.mark_effect()
             if charge.status == "succeeded":
                 order = mark_paid(order, charge.id)
             else:
@@ -292,6 +296,8 @@ def create_app(
                 return problem(504, "provider-timeout", "The card provider did not answer; retry with the same key.")
             except ProviderError as exc:
                 return problem(502, "provider-error", str(exc))
+            if info is not None:
+                info.mark_effect()  # the refund went out: never run again because of a later failure
             order = apply_refund(order, made.id, made.amount)
             store.put(order)
         return JSONResponse({"order": order.as_json(), "refund": asdict(made)}, status_code=201)

@@ -1,6 +1,6 @@
 """The shape every store implements. Any object with these methods works; no base class needed.
 
-Costs: `claim` is one round trip (claim-or-read), `complete`/`release`/`extend` one each.
+Costs: `claim` is one round trip (claim-or-read), `complete`/`release`/`extend`/`mark_failed` one each.
 Every write after the claim is fenced by the claim's token: a holder whose token is stale
 (its lease was taken over) gets False and changes nothing.
 
@@ -42,7 +42,14 @@ class Backend(Protocol):
         ...
 
     async def extend(self, key: RecordKey, token: int, *, lease: float) -> bool:
-        """Push the lease deadline to store-now + `lease`; False if fenced out or completed."""
+        """Push the lease deadline to store-now + `lease`, and the record's expiry at least as far
+        (a holder running past its TTL keeps its key); False if fenced out or completed."""
+        ...
+
+    async def mark_failed(self, key: RecordKey, token: int) -> bool:
+        """The holder failed after its answer started or after it marked an effect: end the lease
+        now and flag the record (`Record.holder_failed`), so a retry gets outcome-unknown, `reclaim`
+        never re-runs it, and only recovery (hook, reconcile, CLI) resolves it. False if fenced out."""
         ...
 
     async def get(self, key: RecordKey) -> Record | None:
@@ -51,6 +58,16 @@ class Backend(Protocol):
 
     async def aclose(self) -> None:
         """Close what the backend created (never a client or pool it was given)."""
+        ...
+
+
+@runtime_checkable
+class Checkable(Protocol):
+    """A store that can tell, at start-up, whether it can ever serve as configured."""
+
+    async def check(self) -> None:
+        """Raise `BackendMisconfigured` (wrong credentials, missing rights or table) or
+        `BackendUnavailable` (not reachable now); return when a claim would work."""
         ...
 
 

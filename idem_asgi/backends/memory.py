@@ -1,10 +1,13 @@
 """In-process store: the embedded default, for development, tests and single-process apps.
 
 Each operation runs without an await, so it is atomic under asyncio; a threading lock keeps it
-safe when several event loops share one instance. Records are evicted at their expiry, and the
-oldest completed answer goes first once `max_entries` is reached (in-progress records are never
-evicted; a store full of them answers 503). Each record's `RecordKey` is kept beside it, so
-`stale()` can name the keys of stuck claims. Records are per process: two workers never see each
+safe when several event loops share one instance. Records leave at their expiry, and only then:
+an unexpired record (running or completed) is never evicted to make room, since its duplicate would
+then run a second time. The store is bounded instead: by `max_entries` records, by `max_bytes` of
+stored answers, and per scope by `scope_share` of both (one tenant cannot fill it for the others).
+A full store refuses new claims (503; 429 for a scope over its share); an answer that does not fit
+the byte budget is kept as "completed, not replayable" (the first client has it; repeats get 409
+`response-not-stored`, never a second run). Records are per process: two workers never see each
 other's keys, so use Redis or Postgres as soon as you run more than one process.
 """
 
@@ -12,14 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import random
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from types import TracebackType
 
-from ..errors import BackendUnavailable, ConfigurationError
+from ..errors import ConfigurationError, StoreFull
 from ..records import (
     COMPLETED,
     IN_PROGRESS,
@@ -31,36 +31,65 @@ from ..records import (
     StaleRecord,
     StoredResponse,
 )
+from ._base import ClosingMixin, new_token
 
 
-class MemoryBackend:
-    """Records in a dict, bounded by TTL eviction and `max_entries`."""
+def _size(rec: Record) -> int:
+    """Bytes of the stored answer a record holds (0 while in progress)."""
+    r = rec.response
+    if r is None:
+        return 0
+    size = len(r.body) + sum(len(k) + len(v) for k, v in r.headers)
+    if r.trailers:
+        size += sum(len(k) + len(v) for k, v in r.trailers)
+    return size
 
-    def __init__(self, *, max_entries: int = 100_000, clock: Callable[[], float] = time.time) -> None:
+
+class MemoryBackend(ClosingMixin):
+    """Records in a dict, bounded by entries, bytes and a per-scope share; never evicted before expiry.
+
+    Args:
+        max_entries: Most records held at once (running and completed).
+        max_bytes: Most bytes of stored answers (bodies, headers, trailers) held at once.
+        scope_share: The fraction of `max_entries` and of `max_bytes` one scope may hold (the
+            unscoped key space of single-tenant routes is exempt).
+        clock: Seconds since the epoch (tests pass a fake one).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_entries: int = 100_000,
+        max_bytes: int = 256 << 20,
+        scope_share: float = 0.25,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         if max_entries < 1:
-            # With no room at all, eviction would loop over an empty dict (StopIteration in a coroutine).
             raise ConfigurationError(f"max_entries must be at least 1, got {max_entries!r}")
+        if max_bytes < 1:
+            raise ConfigurationError(f"max_bytes must be at least 1, got {max_bytes!r}")
+        if not 0 < scope_share <= 1:
+            raise ConfigurationError(f"scope_share must be in (0, 1], got {scope_share!r}")
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.scope_share = scope_share
+        self._scope_entries = max(1, int(max_entries * scope_share))
+        self._scope_bytes = max(1, int(max_bytes * scope_share))
         self._clock = clock
         self._records: dict[str, Record] = {}
         self._keys: dict[str, RecordKey] = {}  # digest -> its (namespace, scope, key), for stale()
-        # Digests of completed records, oldest completion first, so that eviction pops the front
-        # in O(1). Scanning `_records` for its first completed entry walks every slot deleted
-        # since the dict was last resized: once the store is full, 50-100 us per claim at 100k.
-        self._completed: OrderedDict[str, None] = OrderedDict()
+        self._scopes: dict[str, list[int]] = {}  # scope -> [records, bytes]
+        self._bytes = 0
         self._expiry: list[tuple[float, str]] = []
         self._lock = threading.Lock()
 
-    async def __aenter__(self) -> MemoryBackend:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
-
     def __len__(self) -> int:
         return len(self._records)
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of stored answers held now."""
+        return self._bytes
 
     def _live(self, digest: str, now: float) -> Record | None:
         rec = self._records.get(digest)
@@ -70,47 +99,68 @@ class MemoryBackend:
         return rec
 
     def _drop(self, digest: str) -> None:
-        del self._records[digest]
-        self._keys.pop(digest, None)
-        self._completed.pop(digest, None)
+        rec = self._records.pop(digest)
+        key = self._keys.pop(digest)
+        size = _size(rec)
+        self._bytes -= size
+        if key.scope:
+            usage = self._scopes[key.scope]
+            usage[0] -= 1
+            usage[1] -= size
+            if usage[0] == 0:
+                del self._scopes[key.scope]
 
-    def _put(self, key: RecordKey, rec: Record, now: float) -> None:
+    def _set(self, digest: str, rec: Record) -> None:
+        """Replace a record in place, keeping the byte accounting right."""
+        old = self._records[digest]
+        delta = _size(rec) - _size(old)
+        self._records[digest] = rec
+        if delta:
+            self._bytes += delta
+            scope = self._keys[digest].scope
+            if scope:
+                self._scopes[scope][1] += delta
+        if rec.expires_at != old.expires_at:
+            heapq.heappush(self._expiry, (rec.expires_at, digest))
+
+    def _admit(self, key: RecordKey, now: float) -> None:
+        """Raise StoreFull unless a new record fits the bounds (after dropping expired ones)."""
+        self._expire(now, None)
+        if len(self._records) >= self.max_entries:
+            raise StoreFull(f"memory store full: {len(self._records)} unexpired records (max_entries)")
+        if self._bytes >= self.max_bytes:
+            raise StoreFull(f"memory store full: {self._bytes} bytes of stored answers (max_bytes)")
+        usage = self._scopes.get(key.scope) if key.scope else None
+        if usage is not None and (usage[0] >= self._scope_entries or usage[1] >= self._scope_bytes):
+            raise StoreFull("this caller holds its full share of the memory store (scope_share)", scope_quota=True)
+
+    def _insert(self, key: RecordKey, rec: Record) -> None:
         digest = key.digest
-        if digest not in self._records:
-            self._evict(now)
         self._records[digest] = rec
         self._keys[digest] = key
+        if key.scope:
+            self._scopes.setdefault(key.scope, [0, 0])[0] += 1
         heapq.heappush(self._expiry, (rec.expires_at, digest))
-
-    def _evict(self, now: float) -> None:
-        records = self._records
-        self._expire(now, None)
-        if len(records) >= self.max_entries:
-            # Forget the oldest *completed* answer; a running operation is never forgotten, since
-            # its duplicate would then run a second time. Full of running operations: refuse (503).
-            completed = self._completed
-            while completed:
-                victim, _ = completed.popitem(last=False)
-                rec = records.get(victim)
-                if rec is not None and rec.state == COMPLETED:
-                    self._drop(victim)
-                    break
-            else:
-                raise BackendUnavailable(f"memory store full: {len(records)} operations in progress")
-        if len(self._expiry) > 2 * len(records) + 1024:
-            self._expiry = [(r.expires_at, d) for d, r in records.items()]
+        if len(self._expiry) > 2 * len(self._records) + 1024:
+            self._expiry = [(r.expires_at, d) for d, r in self._records.items()]
             heapq.heapify(self._expiry)
+
+    def _fits(self, key: RecordKey, response: StoredResponse) -> bool:
+        size = _size(Record(COMPLETED, b"", 0, 0.0, 0.0, response))
+        if self._bytes + size > self.max_bytes:
+            return False
+        usage = self._scopes.get(key.scope) if key.scope else None
+        return usage is None or usage[1] + size <= self._scope_bytes
 
     async def claim(self, key: RecordKey, fingerprint: bytes, *, lease: float, ttl: float) -> ClaimResult:
         with self._lock:
             now = self._clock()
-            rec = self._records.get(key.digest)
+            rec = self._live(key.digest, now)
             if rec is not None:
-                if rec.expires_at > now:
-                    return Existing(rec, now)
-                self._drop(key.digest)  # expired: treated as absent
-            token = random.getrandbits(62) + 1
-            self._put(key, Record(IN_PROGRESS, fingerprint, token, now + lease, now + ttl), now)
+                return Existing(rec, now)
+            self._admit(key, now)
+            token = new_token()
+            self._insert(key, Record(IN_PROGRESS, fingerprint, token, now + lease, now + ttl))
             return Claimed(token)
 
     async def takeover(
@@ -119,12 +169,15 @@ class MemoryBackend:
         with self._lock:
             now = self._clock()
             rec = self._live(key.digest, now)
-            if rec is not None and not (
-                rec.state == IN_PROGRESS and rec.token == stale_token and rec.lease_until <= now
-            ):
+            token = new_token()
+            fresh = Record(IN_PROGRESS, fingerprint, token, now + lease, now + ttl)
+            if rec is None:
+                self._admit(key, now)
+                self._insert(key, fresh)
+                return Claimed(token)
+            if rec.state != IN_PROGRESS or rec.effect_committed or rec.token != stale_token or rec.lease_until > now:
                 return Existing(rec, now)
-            token = random.getrandbits(62) + 1
-            self._put(key, Record(IN_PROGRESS, fingerprint, token, now + lease, now + ttl), now)
+            self._set(key.digest, fresh)
             return Claimed(token)
 
     def _held(self, key: RecordKey, token: int, now: float) -> Record | None:
@@ -139,14 +192,16 @@ class MemoryBackend:
             rec = self._held(key, token, now)
             if rec is None:
                 return False
-            self._records[key.digest] = Record(COMPLETED, rec.fingerprint, token, now, now + ttl, response)
-            self._completed[key.digest] = None
-            heapq.heappush(self._expiry, (now + ttl, key.digest))
+            if not self._fits(key, response):
+                # Over the byte budget: keep the outcome (never run it twice), not the bytes.
+                response = StoredResponse(response.status, [], b"", replayable=False)
+            self._set(key.digest, Record(COMPLETED, rec.fingerprint, token, now, now + ttl, response))
             return True
 
     async def release(self, key: RecordKey, token: int) -> bool:
         with self._lock:
-            if self._held(key, token, self._clock()) is None:
+            rec = self._held(key, token, self._clock())
+            if rec is None or rec.holder_failed or rec.effect_committed:
                 return False
             self._drop(key.digest)
             return True
@@ -155,10 +210,41 @@ class MemoryBackend:
         with self._lock:
             now = self._clock()
             rec = self._held(key, token, now)
+            if rec is None or rec.holder_failed:
+                return False
+            deadline = now + lease
+            self._set(
+                key.digest,
+                Record(
+                    IN_PROGRESS,
+                    rec.fingerprint,
+                    token,
+                    max(rec.lease_until, deadline),
+                    max(rec.expires_at, deadline),  # a holder running past its TTL keeps its key
+                    checkpoint=rec.checkpoint,
+                    effect_committed=rec.effect_committed,
+                ),
+            )
+            return True
+
+    async def mark_failed(self, key: RecordKey, token: int) -> bool:
+        with self._lock:
+            now = self._clock()
+            rec = self._held(key, token, now)
             if rec is None:
                 return False
-            self._records[key.digest] = Record(
-                IN_PROGRESS, rec.fingerprint, token, max(rec.lease_until, now + lease), rec.expires_at
+            self._set(
+                key.digest,
+                Record(
+                    IN_PROGRESS,
+                    rec.fingerprint,
+                    token,
+                    min(rec.lease_until, now),
+                    rec.expires_at,
+                    checkpoint=rec.checkpoint,
+                    effect_committed=rec.effect_committed,
+                    holder_failed=True,
+                ),
             )
             return True
 
@@ -189,7 +275,7 @@ class MemoryBackend:
             now = self._clock()
             cutoff = now - older_than
             found = [
-                StaleRecord(self._keys[digest], rec)
+                StaleRecord(self._keys[digest], rec, rec.effect_committed)
                 for digest, rec in self._records.items()
                 if rec.state == IN_PROGRESS
                 and rec.lease_until <= cutoff
@@ -201,7 +287,7 @@ class MemoryBackend:
     async def purge(self, batch_size: int = 1000) -> int:
         """Delete expired records, `batch_size` at a time (yielding to the event loop between batches).
 
-        Expired records are already invisible and are evicted as new keys arrive; this only frees
+        Expired records are already invisible and are dropped as new keys arrive; this only frees
         their memory sooner.
         """
         if batch_size < 1:

@@ -14,20 +14,19 @@ import collections
 import contextlib
 import hashlib
 import logging
-import random
 import re
 from collections.abc import AsyncIterator
-from contextvars import ContextVar
 from time import monotonic
-from types import TracebackType
-from typing import Any, Final, Literal, NamedTuple
+from typing import Any, Final, Literal
 
 import anyio
 import msgspec
 
-from ..errors import BackendError, BackendUnavailable, ConfigurationError
+from ..context import ClaimHandle, current_idempotency
+from ..errors import BackendError, BackendMisconfigured, BackendUnavailable, ConfigurationError
 from ..records import COMPLETED, IN_PROGRESS, Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
 from ..records import StaleRecord as StaleRecord  # re-exported: it was defined here before records.py
+from ._base import ClosingMixin, new_token
 from ._orphans import OrphanSweeper
 
 try:
@@ -46,7 +45,8 @@ CREATE TABLE IF NOT EXISTS {table} (
     scope       text        NOT NULL,
     key         text        NOT NULL,
     state       "char"      NOT NULL,            -- 'p' in progress, 'e' in progress with its effect committed
-                                                 -- (see PostgresBackend.transaction), 'c' completed
+                                                 -- (see PostgresBackend.transaction), 'u' in progress whose
+                                                 -- holder failed mid-answer (mark_failed), 'c' completed
     fingerprint bytea       NOT NULL,
     token       bigint      NOT NULL,            -- fencing token of the current holder
     lease_until timestamptz NOT NULL,
@@ -57,9 +57,11 @@ CREATE TABLE IF NOT EXISTS {table} (
     body        bytea,                           -- response body, verbatim
     replayable  boolean,
     checkpoint  text,                            -- the last step the handler recorded (checkpoint())
+    trailers    bytea,                           -- msgpack list of HTTP trailer pairs, NULL when none
     PRIMARY KEY (namespace, scope, key)
 );
 ALTER TABLE {table} ADD COLUMN IF NOT EXISTS checkpoint text;
+ALTER TABLE {table} ADD COLUMN IF NOT EXISTS trailers bytea;
 CREATE INDEX IF NOT EXISTS {expires_index} ON {table} (expires_at);
 CREATE INDEX IF NOT EXISTS {inflight_index} ON {table} (lease_until) WHERE state <> 'c';
 """
@@ -67,7 +69,7 @@ CREATE INDEX IF NOT EXISTS {inflight_index} ON {table} (lease_until) WHERE state
 _COLUMNS: Final = (
     "state, fingerprint, token, extract(epoch from lease_until)::float8 AS lease_until, "
     "extract(epoch from expires_at)::float8 AS expires_at, status, headers, body, replayable, "
-    "extract(epoch from now())::float8 AS now, checkpoint"
+    "extract(epoch from now())::float8 AS now, checkpoint, trailers"
 )
 
 
@@ -81,6 +83,36 @@ _UNAVAILABLE: Final = (
     asyncpg.exceptions.OperatorInterventionError,  # admin/crash shutdown, cannot connect now, query canceled
     asyncpg.exceptions.InsufficientResourcesError,  # too many connections, disk full
 )
+
+
+# The server answers, but refuses us for good: retrying cannot help (500, and a failed start-up).
+_MISCONFIGURED: Final = (
+    asyncpg.InvalidAuthorizationSpecificationError,  # no such role, wrong password (28000, 28P01)
+    asyncpg.InvalidCatalogNameError,  # no such database (3D000)
+    asyncpg.InvalidSchemaNameError,  # no such schema (3F000)
+    asyncpg.InsufficientPrivilegeError,  # the role may not create or use the table (42501)
+    asyncpg.UndefinedTableError,  # the table is gone and the role may not create it (42P01)
+    asyncpg.UndefinedColumnError,  # a table of an older schema the role may not migrate (42703)
+)
+
+
+def _wrapped(exc: BaseException, table: str = "idem_records") -> BackendError:
+    """The library error for an asyncpg (or socket) error: misconfigured, unavailable, or another store error."""
+    what = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, asyncpg.InsufficientPrivilegeError | asyncpg.UndefinedTableError | asyncpg.UndefinedColumnError):
+        return BackendMisconfigured(
+            f"postgres refuses the table ({what}); fix: run `idem-asgi --backend <owner DSN> migrate` as the "
+            f"table's owner, then GRANT SELECT, INSERT, UPDATE, DELETE ON {table} TO <the app's role>"
+        )
+    if isinstance(exc, _MISCONFIGURED):
+        return BackendMisconfigured(
+            f"postgres refuses the connection ({what}); fix: check the role, password, database and schema in the DSN"
+        )
+    if isinstance(exc, asyncpg.ReadOnlySQLTransactionError):
+        return BackendUnavailable(f"postgres is read-only (a standby, or a failover in progress): {what}")
+    if isinstance(exc, _UNAVAILABLE):
+        return BackendUnavailable(f"postgres unavailable: {exc!r}")
+    return BackendError(f"postgres error: {exc!r}")
 
 
 def _index_name(table: str, suffix: str) -> str:
@@ -98,16 +130,18 @@ class ClaimLost(BackendError):
     """
 
 
-class _Claim(NamedTuple):
-    backend: PostgresBackend
-    key: RecordKey
-    token: int
+def _holds(backend: Any, target: PostgresBackend) -> bool:
+    """Whether `backend` is `target`, or a wrapper around it (`.wrapped`, as the testing plugin makes)."""
+    for _ in range(8):
+        if backend is target:
+            return True
+        backend = getattr(backend, "wrapped", None)
+        if backend is None:
+            return False
+    return False
 
 
-_claim_var: ContextVar[_Claim | None] = ContextVar("idem_asgi_postgres_claim", default=None)
-
-
-class PostgresBackend:
+class PostgresBackend(ClosingMixin):
     """Idempotency records in a PostgreSQL table through an asyncpg pool.
 
     Args:
@@ -148,7 +182,8 @@ class PostgresBackend:
         # nothing, and the row is invisible to `cur`), or a free row another claimer or purge
         # changed first. The caller then runs it again with a fresh snapshot.
         free = (
-            "(r.expires_at <= now() OR (r.state = 'p' AND r.token IS NOT DISTINCT FROM $8 AND r.lease_until <= now()))"
+            "(r.expires_at <= now() OR (r.state IN ('p', 'u') AND r.token IS NOT DISTINCT FROM $8"
+            " AND r.lease_until <= now()))"
         )
         self._sql_claim = f"""
 WITH cur AS (
@@ -163,22 +198,23 @@ WITH cur AS (
     UPDATE {t} AS r SET
         state = 'p', fingerprint = $4, token = $5, created_at = now(),
         lease_until = now() + $6::float8 * interval '1 second', expires_at = now() + $7::float8 * interval '1 second',
-        status = NULL, headers = NULL, body = NULL, replayable = NULL, checkpoint = NULL
+        status = NULL, headers = NULL, body = NULL, replayable = NULL, checkpoint = NULL, trailers = NULL
     WHERE namespace = $1 AND scope = $2 AND key = $3 AND EXISTS (SELECT 1 FROM cur WHERE free) AND {free}
     RETURNING true
 )
 SELECT true, NULL::"char", NULL::bytea, NULL::bigint, NULL::float8, NULL::float8,
-       NULL::integer, NULL::bytea, NULL::bytea, NULL::boolean, NULL::float8, NULL::text FROM ins
+       NULL::integer, NULL::bytea, NULL::bytea, NULL::boolean, NULL::float8, NULL::text, NULL::bytea FROM ins
 UNION ALL
-SELECT true, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM upd
+SELECT true, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM upd
 UNION ALL
-SELECT false, state, fingerprint, token, lease_until, expires_at, status, headers, body, replayable, now, checkpoint
+SELECT false, state, fingerprint, token, lease_until, expires_at, status, headers, body, replayable, now, checkpoint,
+       trailers
 FROM cur WHERE NOT free
 """
         held = "namespace = $1 AND scope = $2 AND key = $3 AND token = $4"
         where = f"{held} AND state IN ('p', 'e')"
         self._sql_complete = f"""
-UPDATE {t} SET state = 'c', status = $5, headers = $6, body = $7, replayable = $8,
+UPDATE {t} SET state = 'c', status = $5, headers = $6, body = $7, replayable = $8, trailers = $10,
     lease_until = now(), expires_at = now() + $9::float8 * interval '1 second'
 WHERE {where}"""
         # Never release a record whose effect committed ('e'): a retry must not run it again.
@@ -188,8 +224,14 @@ WHERE {where}"""
         self._sql_checkpoint = f"UPDATE {t} SET checkpoint = $5 WHERE {where}"
         self._sql_completed_by = f"""
 SELECT true FROM {t} WHERE namespace = $1 AND scope = $2 AND key = $3 AND token = $4 AND state = 'c'"""
+        # The record outlives its TTL while its holder still runs (renewal), so nobody claims a live key.
         self._sql_extend = f"""
-UPDATE {t} SET lease_until = greatest(lease_until, now() + $5::float8 * interval '1 second') WHERE {where}"""
+UPDATE {t} SET lease_until = greatest(lease_until, now() + $5::float8 * interval '1 second'),
+    expires_at = greatest(expires_at, now() + $5::float8 * interval '1 second') WHERE {where}"""
+        # The holder failed mid-answer: lease over now; 'u' (never released), or 'e' kept as it is.
+        self._sql_fail = f"""
+UPDATE {t} SET lease_until = least(lease_until, now()), state = CASE WHEN state = 'e' THEN 'e' ELSE 'u' END
+WHERE {where}"""
         self._sql_get = f"""
 SELECT false, {_COLUMNS} FROM {t} WHERE namespace = $1 AND scope = $2 AND key = $3 AND expires_at > now()"""
         # Row locks are taken by the inner SELECT and skipped when held (a claim re-using an
@@ -235,14 +277,6 @@ ORDER BY lease_until LIMIT $2"""
         """The schema as SQL text, for migration tools."""
         return DDL.format(table=self.table, **self._indexes)
 
-    async def __aenter__(self) -> PostgresBackend:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
-
     async def _get_pool(self) -> Any:
         if self._pool is not None:
             return self._pool
@@ -262,16 +296,14 @@ ORDER BY lease_until LIMIT $2"""
                             pool.terminate()
                             raise
                         self._pool = pool
-        except _UNAVAILABLE as exc:
-            raise BackendUnavailable(f"postgres unavailable: {exc!r}") from exc
-        except asyncpg.PostgresError as exc:
-            raise BackendError(f"postgres error: {exc!r}") from exc
+        except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
+            raise _wrapped(exc, self.table) from exc
         return self._pool
 
     async def _create(self, conn: Any) -> None:
         exists = "SELECT " + " AND ".join(f"to_regclass(${i}) IS NOT NULL" for i in range(1, len(self._relations) + 1))
         # (and the newest column: tables made by earlier releases get it from the DDL's ALTER)
-        exists += " AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'checkpoint')"
+        exists += " AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'trailers')"
         if await conn.fetchval(exists, *self._relations, timeout=self.timeout):
             return  # nothing to do, and no lock taken on a table that is serving
         # CREATE ... IF NOT EXISTS is not safe against itself: two workers starting together can
@@ -282,6 +314,24 @@ ORDER BY lease_until LIMIT $2"""
                 "SELECT pg_advisory_xact_lock(hashtextextended($1, 1953))", self.table, timeout=self.timeout
             )
             await conn.execute(self.ddl, timeout=self.timeout)
+
+    async def check(self) -> None:
+        """Connect, create the table if missing, and prove the role may use it (rights to read and write).
+
+        Raises `BackendMisconfigured` naming the fix (`idem-asgi migrate`, the GRANT needed), or
+        `BackendUnavailable` when the server cannot be reached now.
+        """
+        await self.setup()
+        pool = await self._get_pool()
+        sql = (
+            "SELECT has_table_privilege($1, 'SELECT') AND has_table_privilege($1, 'INSERT') "
+            "AND has_table_privilege($1, 'UPDATE') AND has_table_privilege($1, 'DELETE')"
+        )
+        if not await self._run(pool, "fetchval", sql, self.table):
+            raise BackendMisconfigured(
+                f"postgres: the role may not read and write {self.table}; fix: GRANT SELECT, INSERT, UPDATE, "
+                f"DELETE ON {self.table} TO <the app's role>"
+            )
 
     async def setup(self) -> None:
         """Create the table and indexes if missing (idempotent, safe to run from many workers at once).
@@ -299,10 +349,8 @@ ORDER BY lease_until LIMIT $2"""
                         "create the pool with server_settings={'default_transaction_isolation': 'read committed'}"
                     )
                 await self._create(conn)
-        except _UNAVAILABLE as exc:
-            raise BackendUnavailable(f"postgres unavailable: {exc!r}") from exc
-        except asyncpg.PostgresError as exc:
-            raise BackendError(f"postgres error: {exc!r}") from exc
+        except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
+            raise _wrapped(exc, self.table) from exc
 
     async def _run(self, pool: Any, method: str, sql: str, *args: Any, deadline: float | None = None) -> Any:
         # One deadline for the whole call: waiting for a pooled connection, then the statement.
@@ -342,10 +390,8 @@ ORDER BY lease_until LIMIT $2"""
                         await pool.release(conn)
                     finally:
                         turns.give_back()
-        except _UNAVAILABLE as exc:
-            raise BackendUnavailable(f"postgres unavailable: {exc!r}") from exc
-        except asyncpg.PostgresError as exc:
-            raise BackendError(f"postgres error: {exc!r}") from exc
+        except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
+            raise _wrapped(exc, self.table) from exc
 
     async def _run_again(self, pool: Any, method: str, sql: str, *args: Any) -> tuple[Any, bool]:
         """Run a statement; after a broken connection, once more on a fresh one, within one deadline.
@@ -378,14 +424,12 @@ ORDER BY lease_until LIMIT $2"""
             if record is None or (record.token == token and record.state == IN_PROGRESS):
                 # (The second case is our own claim: an earlier attempt committed it and its answer
                 # was lost with the connection. The token is ours alone, so the key is ours.)
-                _claim_var.set(_Claim(self, key, token))
                 return Claimed(token)
-            _claim_var.set(None)
             return Existing(record, row[10])
         raise BackendError("claim found neither a free key nor a record after 5 attempts")
 
     async def claim(self, key: RecordKey, fingerprint: bytes, *, lease: float, ttl: float) -> ClaimResult:
-        token = random.getrandbits(62) + 1
+        token = new_token()
         try:
             return await self._claim(key, fingerprint, None, lease, ttl, token)
         except BaseException:
@@ -399,12 +443,20 @@ ORDER BY lease_until LIMIT $2"""
         self, key: RecordKey, stale_token: int, fingerprint: bytes, *, lease: float, ttl: float
     ) -> ClaimResult:
         # A takeover whose reply is lost is not swept: it may carry an answer the recover hook supplied.
-        return await self._claim(key, fingerprint, stale_token, lease, ttl, random.getrandbits(62) + 1)
+        return await self._claim(key, fingerprint, stale_token, lease, ttl, new_token())
 
     async def complete(self, key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
         pool = await self._get_pool()
         args = (key.namespace, key.scope, key.key, token)
-        payload = (response.status, _headers_encode(response.headers), response.body, response.replayable, ttl)
+        trailers = None if response.trailers is None else _headers_encode(response.trailers)
+        payload = (
+            response.status,
+            _headers_encode(response.headers),
+            response.body,
+            response.replayable,
+            ttl,
+            trailers,
+        )
         status, retried = await self._run_again(pool, "execute", self._sql_complete, *args, *payload)
         if status == "UPDATE 1":
             return True
@@ -425,6 +477,11 @@ ORDER BY lease_until LIMIT $2"""
         status = await self._run(pool, "execute", self._sql_extend, key.namespace, key.scope, key.key, token, lease)
         return bool(status == "UPDATE 1")
 
+    async def mark_failed(self, key: RecordKey, token: int) -> bool:
+        pool = await self._get_pool()
+        status, _ = await self._run_again(pool, "execute", self._sql_fail, key.namespace, key.scope, key.key, token)
+        return bool(status == "UPDATE 1")
+
     async def checkpoint(self, step: str, *, key: RecordKey | None = None, token: int | None = None) -> None:
         """Record how far the running handler got (e.g. `"charged ch_123"`) on its claim's row.
 
@@ -434,10 +491,11 @@ ORDER BY lease_until LIMIT $2"""
         the token: raises `ClaimLost` when the claim was taken over.
         """
         if key is None or token is None:
-            claim = _claim_var.get()
-            if claim is None or claim.backend is not self:
+            claim = self._live_claim()
+            if claim is None:
                 raise ClaimLost("checkpoint() outside a request holding a claim of this backend")
-            key, token = claim.key, claim.token
+            key, token = claim.rkey, claim.token
+            assert key is not None
         pool = await self._get_pool()
         status = await self._run(pool, "execute", self._sql_checkpoint, key.namespace, key.scope, key.key, token, step)
         if status != "UPDATE 1":
@@ -481,7 +539,7 @@ ORDER BY lease_until LIMIT $2"""
         """
         pool = await self._get_pool()
         rows = await self._run(pool, "fetch", self._sql_stale, float(older_than), limit, namespace)
-        return [StaleRecord(RecordKey.build(row[12], row[13], row[14]), _record(row), row[1] == b"e") for row in rows]
+        return [StaleRecord(RecordKey.build(row[13], row[14], row[15]), _record(row), row[1] == b"e") for row in rows]
 
     @contextlib.asynccontextmanager
     async def transaction(self, connection: Any = None) -> AsyncIterator[Any]:
@@ -505,29 +563,44 @@ ORDER BY lease_until LIMIT $2"""
         mark commits with your COMMIT). A request that carries no key has no claim: the block is
         then a plain transaction.
         """
-        claim = _claim_var.get()
-        if claim is not None and claim.backend is not self:
-            raise ConfigurationError("this request was claimed through another PostgresBackend instance")
+        claim = self._live_claim()
         pool = None
         if connection is None:
             pool = await self._get_pool()
             try:
                 connection = await pool.acquire(timeout=self.timeout)
-            except _UNAVAILABLE as exc:
-                raise BackendUnavailable(f"postgres unavailable: {exc!r}") from exc
+            except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
+                raise _wrapped(exc, self.table) from exc
         try:
             async with connection.transaction():
                 yield connection
                 if claim is not None:
-                    k = claim.key
+                    k = claim.rkey
+                    assert k is not None
                     status = await connection.execute(
                         self._sql_effect, k.namespace, k.scope, k.key, claim.token, timeout=self.timeout
                     )
                     if status != "UPDATE 1":
                         raise ClaimLost(f"the claim on key {k.key!r} was lost; the transaction is rolled back")
+            if claim is not None:
+                claim.mark_effect()  # committed: a failure from now on must not release the claim
         finally:
             if pool is not None:
                 await pool.release(connection)
+
+    def _live_claim(self) -> ClaimHandle | None:
+        """The claim of the protected request running in this context, if it was made in this store
+        and its answer is not final yet (a background task after the answer, or a keyless request,
+        holds none: its transaction is a plain one)."""
+        info = current_idempotency()
+        claim = None if info is None else info.claim
+        if claim is None:
+            return None
+        if not _holds(claim.backend, self):
+            if isinstance(claim.backend, PostgresBackend):
+                raise ConfigurationError("this request was claimed through another PostgresBackend instance")
+            return None  # claimed in another kind of store: this database's transaction is a plain one
+        return claim
 
     async def recover_uncommitted(self, key: RecordKey, record: Record) -> Literal["run"] | None:
         """A `RoutePolicy(recover=...)` hook for handlers whose every effect goes through `transaction()`.
@@ -625,10 +698,22 @@ class _Turns:
 
 
 def _record(row: Any) -> Record:
+    state = row[1]
     response = None
-    if row[1] == b"c" and row[6] is not None:
-        response = StoredResponse(row[6], _headers_decode(row[7]), row[8], row[9])
-    return Record(COMPLETED if row[1] == b"c" else IN_PROGRESS, row[2], row[3], row[4], row[5], response, row[11])
+    if state == b"c" and row[6] is not None:
+        trailers = None if row[12] is None else _headers_decode(row[12])
+        response = StoredResponse(row[6], _headers_decode(row[7]), row[8], row[9], trailers)
+    return Record(
+        COMPLETED if state == b"c" else IN_PROGRESS,
+        row[2],
+        row[3],
+        row[4],
+        row[5],
+        response,
+        row[11],
+        effect_committed=state == b"e",
+        holder_failed=state == b"u",
+    )
 
 
 async def _keep_session(connection: Any) -> None:

@@ -2,7 +2,8 @@
 
 Layout: one hash per record at `{prefix}{<digest>}` (the digest is the hash tag, so a record
 never spans Redis Cluster slots and client characters never reach the key). Fields:
-`s` state (`p` in progress, `c` completed), `f` fingerprint, `t` fencing token, `l` lease
+`s` state (`p` in progress, `u` in progress whose holder failed mid-answer, `c` completed),
+`f` fingerprint, `t` fencing token, `l` lease
 deadline and `e` expiry (ms, Redis clock), `r` the msgpack-encoded response, and `n`, `o`,
 `k` the record's namespace, scope and key (UTF-8; written at claim and takeover, read only by
 `stale()`, so the ops tools can name a stuck claim; a record written by an idem_asgi version
@@ -26,13 +27,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import re
 from collections.abc import AsyncIterator
-from types import TracebackType
 from typing import Any, Final
 
-from ..errors import BackendError, BackendUnavailable, ConfigurationError
+from ..errors import BackendError, BackendMisconfigured, BackendUnavailable, ConfigurationError
 from ..records import (
     COMPLETED,
     IN_PROGRESS,
@@ -46,6 +45,7 @@ from ..records import (
     decode_response,
     encode_response,
 )
+from ._base import ClosingMixin, new_token
 from ._orphans import OrphanSweeper
 
 try:
@@ -92,7 +92,7 @@ TAKEOVER: Final = (
     + """
 local cur = redis.call('HMGET', KEYS[1], 's', 'f', 't', 'l', 'e', 'r')
 if cur[3] == ARGV[3] then return {1, now} end
-if cur[1] and not (cur[1] == 'p' and cur[3] == ARGV[1] and tonumber(cur[4]) <= now) then
+if cur[1] and not ((cur[1] == 'p' or cur[1] == 'u') and cur[3] == ARGV[1] and tonumber(cur[4]) <= now) then
   return {0, now, cur[1], cur[2], cur[3], cur[4], cur[5], cur[6]}
 end
 redis.call('DEL', KEYS[1])
@@ -134,14 +134,29 @@ redis.call('DEL', KEYS[1])
 return 1
 """
 
-# KEYS[1]; ARGV: token, lease_ms
+# KEYS[1]; ARGV: token, lease_ms. The record outlives its TTL while its holder still runs.
 EXTEND: Final = (
     _NOW
     + """
-local cur = redis.call('HMGET', KEYS[1], 's', 't', 'l')
+local cur = redis.call('HMGET', KEYS[1], 's', 't', 'l', 'e')
 if cur[1] ~= 'p' or cur[2] ~= ARGV[1] then return 0 end
 local deadline = now + ARGV[2]
 if tonumber(cur[3]) < deadline then redis.call('HSET', KEYS[1], 'l', deadline) end
+if tonumber(cur[4]) < deadline then
+  redis.call('HSET', KEYS[1], 'e', deadline)
+  redis.call('PEXPIREAT', KEYS[1], deadline)
+end
+return 1
+"""
+)
+
+# KEYS[1]; ARGV: token. The holder failed mid-answer: lease over now, state 'u' (never released).
+FAIL: Final = (
+    _NOW
+    + """
+local cur = redis.call('HMGET', KEYS[1], 's', 't')
+if cur[1] ~= 'p' or cur[2] ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 's', 'u', 'l', now)
 return 1
 """
 )
@@ -203,10 +218,42 @@ def _record(reply: list[Any]) -> Record:
         int(lease_until) / 1000,
         int(expires_at) / 1000,
         decode_response(blob) if blob else None,
+        holder_failed=state == b"u",
     )
 
 
-class RedisBackend:
+# The store answers, but refuses us for good: retrying cannot help (500, and a failed start-up).
+_MISCONFIGURED: Final = (
+    redis_errors.AuthenticationError,
+    redis_errors.AuthorizationError,
+    redis_errors.AuthenticationWrongNumberOfArgsError,
+    redis_errors.NoPermissionError,
+)
+_MISCONFIGURED_TEXT: Final = ("DB index is out of range", "unknown command", "NOSCRIPT No matching script")
+
+
+def _wrapped(exc: Exception) -> BackendError:
+    """The library error for a redis-py error: misconfigured, unavailable, or another store error."""
+    what = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, _MISCONFIGURED):
+        fix = (
+            "give the Redis user the scripting and hash commands on the backend's keys "
+            "(ACL SETUSER <user> on ~idem:* +@scripting +@hash +@keyspace +time)"
+            if isinstance(exc, redis_errors.NoPermissionError)
+            else "check the username and password in the Redis URL"
+        )
+        return BackendMisconfigured(f"redis refuses the connection or command ({what}); fix: {fix}")
+    if isinstance(exc, redis_errors.ResponseError) and any(t in str(exc) for t in _MISCONFIGURED_TEXT):
+        return BackendMisconfigured(
+            f"redis refuses the command ({what}); check the database number and that "
+            "EVALSHA and SCRIPT LOAD are enabled"
+        )
+    if isinstance(exc, _UNAVAILABLE):
+        return BackendUnavailable(f"redis unavailable: {what}")
+    return BackendError(f"redis error: {what}")
+
+
+class RedisBackend(ClosingMixin):
     """Idempotency records in Redis (6.2+, Valkey, Redis Cluster) through redis-py's asyncio client.
 
     Args:
@@ -259,6 +306,7 @@ class RedisBackend:
         self._release = register(RELEASE)
         self._abandon = register(ABANDON)
         self._extend = register(EXTEND)
+        self._fail = register(FAIL)
         self._read = register(READ)
         # (redis key, token) -> [give-up time (monotonic), seen absent once]
         self._orphans = OrphanSweeper(self._abandon_claim)
@@ -317,14 +365,6 @@ class RedisBackend:
             lean = RespPool.from_url(url, timeout=timeout, max_connections=max_connections, options=client_options)
         return cls(client, prefix=prefix, timeout=timeout, _owned=True, _lean=lean)
 
-    async def __aenter__(self) -> RedisBackend:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
-
     def _key(self, key: RecordKey) -> str:
         return f"{self.prefix}{{{key.digest}}}"
 
@@ -335,37 +375,43 @@ class RedisBackend:
                 self._starting = False
 
     async def _call(self, script: Any, name: str, *args: Any) -> Any:
-        slots = self._slots
         try:
             if self._starting:
                 await self._start()
             if self._lean is not None:
                 try:
                     return await script(keys=[name], args=args)
-                except redis_errors.ConnectionError:
+                except redis_errors.ConnectionError as exc:
+                    if isinstance(exc, _MISCONFIGURED):
+                        raise
                     # Once, at once, on a fresh connection (as redis-py's Retry does): a restarted
                     # server drops the connection. Every script is idempotent for its caller's token.
                     return await script(keys=[name], args=args)
-            if slots is None:
+            if self._slots is None:
                 return await script(keys=[name], args=args)
-            if slots.locked():
-                try:
-                    await asyncio.wait_for(slots.acquire(), self.timeout)
-                except TimeoutError:
-                    raise BackendUnavailable(f"redis: no free connection within {self.timeout}s") from None
-            else:
-                await slots.acquire()
-            try:
+            async with self._slot():
                 return await script(keys=[name], args=args)
-            finally:
-                slots.release()
-        except _UNAVAILABLE as exc:
-            raise BackendUnavailable(f"redis unavailable: {type(exc).__name__}: {exc}") from exc
-        except redis_errors.RedisError as exc:
-            raise BackendError(f"redis error: {type(exc).__name__}: {exc}") from exc
+        except (*_UNAVAILABLE, redis_errors.RedisError) as exc:
+            raise _wrapped(exc) from exc
+
+    @contextlib.asynccontextmanager
+    async def _slot(self) -> AsyncIterator[None]:
+        """One `max_concurrency` slot, waited for up to `timeout` (nothing to wait for without a limit)."""
+        slots = self._slots
+        if slots is None:
+            yield
+            return
+        try:
+            await asyncio.wait_for(slots.acquire(), self.timeout)
+        except TimeoutError:
+            raise BackendUnavailable(f"redis: no free connection within {self.timeout}s") from None
+        try:
+            yield
+        finally:
+            slots.release()
 
     async def claim(self, key: RecordKey, fingerprint: bytes, *, lease: float, ttl: float) -> ClaimResult:
-        token = random.getrandbits(62) + 1
+        token = new_token()
         name = self._key(key)
         try:
             reply = await self._call(self._claim, name, fingerprint, token, _ms(lease), _ms(ttl), *_names(key))
@@ -383,7 +429,7 @@ class RedisBackend:
         # A takeover whose reply is lost is *not* swept: it may carry a recovered answer
         # (recover hook), and deleting it would let a retry run the operation again. It
         # expires into outcome-unknown, and recovery is asked again.
-        token = random.getrandbits(62) + 1
+        token = new_token()
         reply = await self._call(
             self._takeover, self._key(key), stale_token, fingerprint, token, _ms(lease), _ms(ttl), *_names(key)
         )
@@ -400,6 +446,16 @@ class RedisBackend:
     async def extend(self, key: RecordKey, token: int, *, lease: float) -> bool:
         return bool(await self._call(self._extend, self._key(key), token, _ms(lease)))
 
+    async def mark_failed(self, key: RecordKey, token: int) -> bool:
+        return bool(await self._call(self._fail, self._key(key), token))
+
+    async def check(self) -> None:
+        """Claim and release a throwaway key: proves the credentials, the database and the script rights."""
+        probe = RecordKey.build("idem-asgi-check", None, f"check-{new_token()}")
+        result = await self.claim(probe, b"check", lease=5.0, ttl=5.0)
+        if isinstance(result, Claimed):
+            await self.release(probe, result.token)
+
     async def get(self, key: RecordKey) -> Record | None:
         reply = await self._call(self._read, self._key(key))
         return _record(reply) if reply[0] == 1 else None
@@ -409,24 +465,13 @@ class RedisBackend:
     @contextlib.asynccontextmanager
     async def _tool_call(self) -> AsyncIterator[None]:
         """One `max_concurrency` slot and the same error mapping as `_call`, for multi-command tools."""
-        slots = self._slots
         try:
             if self._starting:
                 await self._start()
-            if slots is not None:
-                try:
-                    await asyncio.wait_for(slots.acquire(), self.timeout)
-                except TimeoutError:
-                    raise BackendUnavailable(f"redis: no free connection within {self.timeout}s") from None
-            try:
+            async with self._slot():
                 yield
-            finally:
-                if slots is not None:
-                    slots.release()
-        except _UNAVAILABLE as exc:
-            raise BackendUnavailable(f"redis unavailable: {type(exc).__name__}: {exc}") from exc
-        except redis_errors.RedisError as exc:
-            raise BackendError(f"redis error: {type(exc).__name__}: {exc}") from exc
+        except (*_UNAVAILABLE, redis_errors.RedisError) as exc:
+            raise _wrapped(exc) from exc
 
     async def stale(
         self, older_than: float = 0.0, limit: int = 1000, *, namespace: str | None = None, scan_count: int = 500
@@ -488,7 +533,7 @@ class RedisBackend:
         for name, (state, fingerprint, token, lease_until, expires_at, ns, scope, key) in zip(
             names, replies[1:], strict=True
         ):
-            if state != b"p" or token is None or lease_until is None or expires_at is None:
+            if state not in (b"p", b"u") or token is None or lease_until is None or expires_at is None:
                 continue
             if int(lease_until) > cutoff_ms or int(expires_at) <= now_ms:
                 continue
@@ -496,7 +541,14 @@ class RedisBackend:
                 continue
             digest = name[skip:-1].decode("ascii")
             rkey = RecordKey(_text(ns), _text(scope), _text(key), digest)
-            record = Record(IN_PROGRESS, fingerprint, int(token), int(lease_until) / 1000, int(expires_at) / 1000)
+            record = Record(
+                IN_PROGRESS,
+                fingerprint,
+                int(token),
+                int(lease_until) / 1000,
+                int(expires_at) / 1000,
+                holder_failed=state == b"u",
+            )
             found.append(StaleRecord(rkey, record))
         return found
 

@@ -1,0 +1,88 @@
+"""Small ASGI helpers shared by the middlewares: a bounded body read and `receive` wrappers."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+from ._types import Message, Receive, Scope
+
+HIDDEN_EXTENSIONS: Final = ("http.response.pathsend", "http.response.zerocopysend")
+"""Extensions that would let a body bypass `send` (and so the recording): hidden on protected requests."""
+
+
+class TooLarge(Exception):
+    """The body is over the limit (by `Content-Length`, or counted as it arrived)."""
+
+
+def declared_too_large(scope: Scope, limit: int) -> bool:
+    """Whether the request's `Content-Length` already says the body is over `limit`."""
+    for k, v in scope["headers"]:
+        if k == b"content-length":
+            return bool(v.isdigit() and int(v) > limit)
+    return False
+
+
+async def read_body(receive: Receive, limit: int, feed: Callable[[bytes], object] | None = None) -> bytes | None:
+    """The whole request body, read the ASGI way; None when the client left first.
+
+    Raises `TooLarge` the moment the body crosses `limit`. `feed` sees each chunk as it arrives
+    (an incremental hash), so the body is never walked twice. One chunk is returned as it came.
+    """
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None  # http.disconnect
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise TooLarge
+            if feed is not None:
+                feed(chunk)
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def replaying(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that hands the app the buffered body once, then the real channel (disconnects)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def holding_disconnect(body: bytes, receive: Receive, finished: Callable[[], Awaitable[None]]) -> Receive:
+    """Like `replaying`, but an `http.disconnect` reaches the app only once `finished()` returns.
+
+    The contract says a client that hangs up does not stop the operation: the app finishes and
+    its answer is stored. Apps that stop at a disconnect (Starlette's `StreamingResponse` under
+    ASGI < 2.4 cancels its stream) would otherwise return with half an answer.
+    """
+    sent = False
+    gone = False
+
+    async def replay() -> Message:
+        nonlocal sent, gone
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        if not gone:
+            message = await receive()
+            if message["type"] != "http.disconnect":
+                return message
+            gone = True
+        await finished()
+        return {"type": "http.disconnect"}
+
+    return replay

@@ -1,0 +1,104 @@
+"""Lease renewal: the claims a middleware holds while their apps run, renewed by one shared timer."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ._logging import store_failed
+
+if TYPE_CHECKING:
+    from .backends import Backend
+    from .observe import EventName
+    from .records import RecordKey
+    from .routing import Route
+
+logger = logging.getLogger("idem_asgi")
+Emit = Callable[["EventName", "Route", "RecordKey | None"], None]
+
+
+class Leases:
+    """The claims held while their apps run; one timer renews the long-running ones.
+
+    Holding a claim is a dict insert and releasing it a dict pop: no timer (`call_later` +
+    `cancel`) and no closure per request. While anything is held, one timer ticks every third of
+    the shortest route lease and extends each claim last extended a third of its own lease ago,
+    so a live claim is extended at most two thirds of its lease after the previous extension.
+    An extension also keeps the record itself alive past its TTL while its app still runs.
+    """
+
+    __slots__ = ("_backend", "_emit", "_held", "_loop", "_tasks", "_tick", "_timer")
+
+    def __init__(self, backend: Callable[[], Backend], emit: Emit, tick: float) -> None:
+        self._backend = backend  # looked up at each renewal: the store may be wrapped later (testing)
+        self._emit = emit
+        self._tick = tick
+        self._held: dict[int, Renewal] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def hold(self, route: Route, key: RecordKey, token: int) -> Renewal:
+        """Start renewing this claim until `Renewal.stop()`."""
+        loop = asyncio.get_running_loop()
+        renewal = Renewal(self._held, route, key, token, loop.time() + route.lease / 3)
+        self._held[id(renewal)] = renewal
+        if self._timer is None or self._loop is not loop:
+            # the first claim since a tick found nothing held, or a new event loop (tests)
+            self._loop = loop
+            self._timer = loop.call_later(self._tick, self._fire)
+        return renewal
+
+    def _fire(self) -> None:
+        loop = self._loop
+        assert loop is not None
+        now = loop.time()
+        for renewal in list(self._held.values()):
+            if renewal.due <= now:
+                renewal.due = now + renewal.route.lease / 3
+                task = loop.create_task(self._extend(renewal))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        self._timer = loop.call_later(self._tick, self._fire) if self._held else None
+
+    async def _extend(self, renewal: Renewal) -> None:
+        route, key = renewal.route, renewal.key
+        try:
+            held = await self._backend().extend(key, renewal.token, lease=route.lease)
+        except Exception as exc:
+            store_failed(f"could not extend the lease of key {key.key!r}; will retry", exc)
+            self._emit("store_error", route, key)
+            return  # still held: the next tick tries again
+        if not renewal.held:
+            return  # the app finished meanwhile
+        if held:
+            self._emit("lease_extended", route, key)
+        else:
+            renewal.stop()
+            logger.warning("idem_asgi: lease of key %r was lost while the app ran", key.key)
+            self._emit("lease_lost", route, key)
+
+
+class Renewal:
+    """One claim held while its app runs; `stop()` (idempotent) when the app is done with it."""
+
+    __slots__ = ("_held", "due", "key", "route", "token")
+
+    def __init__(self, held: dict[int, Renewal], route: Route, key: RecordKey, token: int, due: float) -> None:
+        self._held = held
+        self.route = route
+        self.key = key
+        self.token = token
+        self.due = due
+
+    @property
+    def held(self) -> bool:
+        """Still being renewed."""
+        return self._held.get(id(self)) is self
+
+    def stop(self) -> None:
+        """Stop renewing (the answer is final, or the claim was lost)."""
+        if self._held.get(id(self)) is self:
+            del self._held[id(self)]

@@ -1,0 +1,500 @@
+"""One protected request, from its key to its answer. The steps read top to bottom:
+
+read the key -> read the body -> derive the key, find the scope -> claim -> decide ->
+run (capturing the answer) / replay / refuse.
+
+The middleware keeps only configuration; everything about one request lives on one `Protected`
+object, which is also the `ClaimHandle` handlers reach through `IdempotencyInfo` (to mark an
+effect, or for `PostgresBackend.transaction()` to find the claim).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Literal
+
+import anyio
+
+from . import problems
+from ._asgi import HIDDEN_EXTENSIONS, TooLarge, declared_too_large, holding_disconnect, read_body, replaying
+from ._capture import Capture
+from ._decide import Action, decide
+from ._logging import once, store_failed, throttled
+from ._types import Receive, Scope, Send
+from .context import STATE_KEY, IdempotencyInfo, _current
+from .errors import BackendMisconfigured, InvalidScope, StoreFull
+from .keys import ANONYMOUS_SCOPE, MalformedKey, parse_key, route_key, stored_scope
+from .observe import EventName
+from .records import Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
+from .routing import Route, route_path
+
+if TYPE_CHECKING:
+    from ._leases import Renewal
+    from .backends import Backend
+    from .middleware import IdempotencyMiddleware
+
+logger = logging.getLogger("idem_asgi")
+
+_EVENT_OF: dict[Action, EventName] = {
+    Action.RUN: "claimed",
+    Action.REPLAY: "replayed",
+    Action.MISMATCH: "mismatch",
+    Action.IN_PROGRESS: "conflict",
+    Action.NOT_STORED: "not_stored",
+    Action.EXPIRED: "expired",
+}
+
+
+class Refused(Exception):
+    """Answer the request with this problem (raised by a step, sent by `Protected.handle`)."""
+
+    def __init__(
+        self,
+        problem: problems.ProblemType,
+        detail: str | None = None,
+        *,
+        retry_after: int | None = None,
+        event: EventName | None = "rejected",
+    ) -> None:
+        super().__init__(problem.slug)
+        self.problem = problem
+        self.detail = detail
+        self.retry_after = retry_after
+        self.event = event
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:] + ("" if text.endswith(".") else ".")
+
+
+def header_key(route: Route, scope: Scope) -> str | None:
+    """The request's key header, parsed; None when absent. Raises `Refused` (400) when malformed or repeated."""
+    raw: bytes | None = None
+    count = 0
+    for k, v in scope["headers"]:
+        if k == route.header:
+            raw = v
+            count += 1
+    if count > 1:
+        raise Refused(problems.KEY_MALFORMED, f"Send exactly one {route.header_name} header, not {count}.")
+    if raw is None:
+        return None
+    try:
+        return parse_key(raw)
+    except MalformedKey as exc:
+        raise Refused(problems.KEY_MALFORMED, _sentence(str(exc))) from None
+
+
+async def run_unclaimed(
+    mw: IdempotencyMiddleware, scope: Scope, receive: Receive, send: Send, key: str, owner: str | None
+) -> None:
+    """Run the app with nothing claimed, but hand it the key and scope as usual (fail-open, disabled)."""
+    info = IdempotencyInfo(key, owner)
+    state = scope.get("state")
+    if state is None:
+        state = scope["state"] = {}
+    state[STATE_KEY] = info
+    reset = _current.set(info)
+    try:
+        await mw.app(scope, receive, send)
+    finally:
+        _current.reset(reset)
+
+
+class Protected:
+    """The state and steps of one request on a protected route."""
+
+    __slots__ = (
+        "_active",
+        "body",
+        "effect",
+        "fingerprint",
+        "key",
+        "mw",
+        "owner",
+        "receive",
+        "renewal",
+        "rkey",
+        "route",
+        "scope",
+        "send",
+        "token",
+    )
+
+    def __init__(self, mw: IdempotencyMiddleware, route: Route, scope: Scope, receive: Receive, send: Send) -> None:
+        self.mw = mw
+        self.route = route
+        self.scope = scope
+        self.receive = receive
+        self.send = send
+        self.key = ""
+        self.owner: str | None = None
+        self.body = b""
+        self.fingerprint = b""
+        self.rkey: RecordKey | None = None
+        self.token = 0
+        self.effect = False
+        self._active = False
+        self.renewal: Renewal | None = None
+
+    # -- the claim handle handlers reach through IdempotencyInfo ----------------------------------
+
+    @property
+    def backend(self) -> Backend:
+        """The store the claim was made in."""
+        return self.mw.backend
+
+    @property
+    def active(self) -> bool:
+        """True while the app runs and its answer is not final yet."""
+        return self._active
+
+    def mark_effect(self) -> None:
+        """An irreversible effect happened: from now on a failure keeps the claim (outcome-unknown)."""
+        self.effect = True
+
+    # -- the steps --------------------------------------------------------------------------------
+
+    async def handle(self) -> None:
+        """Answer the request: pass it through, refuse it, replay the stored answer, or run the app once."""
+        try:
+            if await self._prepare():
+                result = await self._claim()
+                if result is not None:
+                    await self._act(result)
+        except Refused as refusal:
+            if refusal.event is not None:
+                self.mw.emit(refusal.event, self.route, self.rkey, refusal.problem.status)
+            await problems.send_problem(self.send, refusal.problem, refusal.detail, retry_after=refusal.retry_after)
+
+    async def _prepare(self) -> bool:
+        """Read the key, the body and the scope. False when the request was passed through or ended."""
+        route, scope = self.route, self.scope
+        given = header_key(route, scope)
+        if given is None and route.key_source is None:
+            if route.required:
+                raise Refused(problems.KEY_REQUIRED, f"This operation requires an {route.header_name} header.")
+            await self.mw.app(scope, self.receive, self.send)
+            return False
+        if declared_too_large(scope, route.max_body):
+            raise self._too_large()
+        hasher = route.fingerprint.begin(scope)
+        try:
+            body = await read_body(self.receive, route.max_body, hasher.update)
+        except TooLarge:
+            raise self._too_large() from None
+        if body is None:
+            return False  # the client left before anything was claimed
+        self.body = body
+        self.fingerprint = hasher.digest()
+        if route.key_source is None:
+            assert given is not None
+            self.key = stored = given
+        else:
+            derived = route.key_source(scope, body, given)
+            if derived is None:
+                if route.required:
+                    raise Refused(
+                        problems.KEY_REQUIRED, "This operation needs the fields its idempotency key is made of."
+                    )
+                await self.mw.app(scope, replaying(body, self.receive), self.send)
+                return False
+            # A derived key lives in its route's own key space: never a header key's, nor another route's.
+            self.key = derived
+            stored = route_key(scope["method"], route_path(scope), derived)
+        self.rkey = RecordKey.build(self.mw.namespace, self._scope(), stored)
+        return True
+
+    def _scope(self) -> str | None:
+        """Whom the key belongs to, as stored; sets `owner` (what the handler is told)."""
+        route = self.route
+        if route.scope is None:
+            return None
+        try:
+            raw = route.scope(self.scope)
+        except InvalidScope as exc:
+            raise Refused(problems.SCOPE_MALFORMED, _sentence(str(exc))) from None
+        except Exception:
+            logger.exception("idem_asgi: the scope callable of route %r raised", route.policy.path)
+            raise Refused(problems.SCOPE_MALFORMED, "The scope of this request could not be determined.") from None
+        if raw is None or raw == "":
+            if route.anonymous:
+                return ANONYMOUS_SCOPE
+            raise Refused(problems.SCOPE_REQUIRED)
+        try:
+            stored = stored_scope(raw)
+        except InvalidScope as exc:
+            if not isinstance(raw, str):
+                once(logging.ERROR, f"idem_asgi: route {route.policy.path!r}: {exc}")
+            raise Refused(problems.SCOPE_MALFORMED, _sentence(str(exc))) from None
+        self.owner = raw if isinstance(raw, str) else str(raw)
+        return stored
+
+    async def _claim(self) -> ClaimResult | None:
+        """Claim-or-read in one store call. None when the store failed and fail-open ran the app."""
+        route, rkey = self.route, self.rkey
+        assert rkey is not None
+        try:
+            return await self.mw.backend.claim(rkey, self.fingerprint, lease=route.lease, ttl=route.ttl)
+        except StoreFull as exc:
+            self.mw.emit("store_error", route, rkey)
+            problem = problems.KEY_QUOTA if exc.scope_quota else problems.STORE_UNAVAILABLE
+            raise Refused(problem, _sentence(str(exc)), retry_after=route.retry_after, event=None) from None
+        except Exception as exc:
+            self._store_failed("claim failed", exc)
+            if self.mw.fail_open:
+                await run_unclaimed(
+                    self.mw, self.scope, replaying(self.body, self.receive), self.send, self.key, self.owner
+                )
+                return None
+            raise self._store_refusal(exc) from None
+
+    async def _act(self, result: ClaimResult) -> None:
+        """Decide what the claim's outcome means, then run, replay or refuse."""
+        route = self.route
+        waited = recovered = False
+        while True:
+            action = decide(result, self.fingerprint)
+            if action is Action.IN_PROGRESS and route.wait and not waited:
+                waited = True
+                result = await self._wait(result)
+            elif action is Action.EXPIRED and not recovered:
+                recovered = True
+                self.mw.emit("expired", route, self.rkey)
+                assert isinstance(result, Existing)
+                outcome = await self._recover(result.record)
+                if isinstance(outcome, StoredResponse):
+                    await self._replay(outcome)
+                    return
+                result = outcome
+            else:
+                break
+        if action is Action.EXPIRED:
+            raise Refused(problems.IN_PROGRESS, "The request is being recovered.", retry_after=route.retry_after)
+        self.mw.emit(_EVENT_OF[action], route, self.rkey)
+        if action is Action.RUN:
+            assert isinstance(result, Claimed)
+            await self._run(result.token)
+        elif action is Action.REPLAY:
+            assert isinstance(result, Existing) and result.record.response is not None
+            await self._replay(result.record.response)
+        elif action is Action.MISMATCH:
+            raise Refused(problems.FINGERPRINT_MISMATCH, event=None)
+        elif action is Action.IN_PROGRESS:
+            raise Refused(problems.IN_PROGRESS, retry_after=route.retry_after, event=None)
+        else:
+            raise Refused(problems.NOT_STORED, event=None)
+
+    async def _wait(self, result: ClaimResult) -> ClaimResult:
+        """Re-claim with backoff until the first request ends or the route's `wait` runs out."""
+        route, rkey = self.route, self.rkey
+        assert rkey is not None
+        delay = 0.01
+        with anyio.move_on_after(route.wait):
+            while decide(result, self.fingerprint) is Action.IN_PROGRESS:
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 0.25)
+                try:
+                    result = await self.mw.backend.claim(rkey, self.fingerprint, lease=route.lease, ttl=route.ttl)
+                except Exception as exc:
+                    self._store_failed("claim failed while waiting", exc)
+                    break
+        return result
+
+    async def _recover(self, record: Record) -> ClaimResult | StoredResponse:
+        """An expired lease: ask the recover hook (or reclaim), then take the claim over or store its answer."""
+        route, rkey, backend = self.route, self.rkey, self.mw.backend
+        assert rkey is not None
+        outcome: StoredResponse | Literal["run"] | None = None
+        if route.recover is not None:
+            try:
+                outcome = await route.recover(rkey, record)
+            except Exception:
+                logger.exception("idem_asgi: recover hook failed for key %r", rkey.key)
+        elif route.on_expired == "reclaim" and not (record.holder_failed or record.effect_committed):
+            outcome = "run"  # the holder vanished (crash, stall); a holder that failed mid-answer is never re-run
+        if outcome == "run" and record.effect_committed:
+            logger.warning("idem_asgi: key %r: its effect committed, so it is not run again", rkey.key)
+            outcome = None
+        if outcome is None:
+            raise Refused(problems.OUTCOME_UNKNOWN, event="outcome_unknown")
+        try:
+            if record.effect_committed:
+                # Never taken over (that could run the effect again): the answer goes under the holder's token.
+                assert isinstance(outcome, StoredResponse)
+                if not await backend.complete(rkey, record.token, outcome, ttl=route.ttl):
+                    raise Refused(
+                        problems.IN_PROGRESS, "The request is being recovered.", retry_after=route.retry_after
+                    )
+                self.mw.emit("recovered", route, rkey)
+                return outcome
+            taken = await backend.takeover(rkey, record.token, self.fingerprint, lease=route.lease, ttl=route.ttl)
+            if isinstance(taken, Claimed):
+                self.mw.emit("recovered", route, rkey)
+                if isinstance(outcome, StoredResponse):
+                    await backend.complete(rkey, taken.token, outcome, ttl=route.ttl)
+                    return outcome
+            return taken
+        except Refused:
+            raise
+        except Exception as exc:
+            self._store_failed("takeover failed", exc)
+            raise self._store_refusal(exc) from None
+
+    async def _run(self, token: int) -> None:
+        """Run the app once under the claim, streaming its answer while capturing it."""
+        mw, route, rkey = self.mw, self.route, self.rkey
+        assert rkey is not None
+        self.token = token
+        self._active = True
+        self.renewal = mw.leases.hold(route, rkey, token)
+        capture = Capture(self.send, self._on_final, excluded=route.excluded, limit=route.max_stored_body)
+        info = IdempotencyInfo(self.key, self.owner, self)
+        reset = _current.set(info)
+        try:
+            await mw.app(
+                self._app_scope(info), holding_disconnect(self.body, self.receive, capture.wait_finished), capture
+            )
+        except Exception:
+            if not capture.finished:
+                with anyio.CancelScope(shield=True):
+                    await self._unfinished(capture, cancelled=False)
+            raise
+        except BaseException:
+            if not capture.finished:
+                with anyio.CancelScope(shield=True):
+                    await self._unfinished(capture, cancelled=True)
+            raise
+        finally:
+            self._stop()
+            capture.wake()
+            _current.reset(reset)
+        if not capture.finished:
+            await self._unfinished(capture, cancelled=False)
+
+    def _app_scope(self, info: IdempotencyInfo) -> Scope:
+        """The scope the app sees: the same `state` dict (shared with outer middleware), extensions hidden."""
+        scope = self.scope
+        state = scope.get("state")
+        if state is None:
+            state = scope["state"] = {}
+        state[STATE_KEY] = info
+        extensions = scope.get("extensions")
+        if extensions and any(e in extensions for e in HIDDEN_EXTENSIONS):
+            # Hiding pathsend/zerocopysend makes every body byte pass through `send`, so it is stored.
+            scope = {**scope, "extensions": {k: v for k, v in extensions.items() if k not in HIDDEN_EXTENSIONS}}
+        return scope
+
+    def _stop(self) -> None:
+        """The answer is final or abandoned: stop renewing, and later work is not part of the claim."""
+        self._active = False
+        if self.renewal is not None:
+            self.renewal.stop()
+
+    async def _on_final(self, response: StoredResponse) -> None:
+        """The app sent its whole answer: store it (or release the claim), before its last chunk goes out."""
+        self._stop()
+        route, rkey = self.route, self.rkey
+        assert rkey is not None
+        if response.status in route.release_statuses:
+            if self.effect:
+                await self._fail(response.status)
+            else:
+                await self._release(response.status)
+            return
+        try:
+            stored = await self.mw.backend.complete(rkey, self.token, response, ttl=route.ttl)
+        except Exception as exc:
+            self.mw.emit("store_error", route, rkey, response.status)
+            # The effect happened and the client gets its answer. Never release: retry the write
+            # in the background; if it never lands, the lease expires into outcome-unknown.
+            store_failed(f"could not store the answer for key {rkey.key!r}; retrying in the background", exc)
+            status = response.status
+            if not self.mw.late.retry(
+                rkey, self.token, response, route.ttl, lambda n: self.mw.emit(n, route, rkey, status)
+            ):
+                logger.error("idem_asgi: too many answers waiting for the store; key %r is not retried", rkey.key)
+            return
+        if stored:
+            self.mw.emit("completed", route, rkey, response.status)
+        else:
+            logger.warning("idem_asgi: key %r was no longer held by this request; this answer was not stored", rkey.key)
+            self.mw.emit("lease_lost", route, rkey, response.status)
+
+    async def _unfinished(self, capture: Capture, *, cancelled: bool) -> None:
+        """The app raised, was cancelled, or returned without finishing its answer."""
+        self._stop()
+        status = capture.status if capture.started else None
+        if self.effect or (capture.started and capture.status not in self.route.release_statuses):
+            # The answer had started (or an effect was marked): the operation may have happened,
+            # so a retry must never run it again. The record ends outcome-unknown at once.
+            await self._fail(status)
+        elif not cancelled:
+            await self._release(status)
+        # Cancelled before anything was answered: like a crash, the claim is kept and its lease ends.
+
+    async def _release(self, status: int | None) -> None:
+        """Delete the claim (fenced by its token) so a retry runs again."""
+        route, rkey = self.route, self.rkey
+        assert rkey is not None
+        try:
+            released = await self.mw.backend.release(rkey, self.token)
+        except Exception as exc:
+            self.mw.emit("store_error", route, rkey, status)
+            store_failed(f"could not release key {rkey.key!r}; it stays in progress until its lease ends", exc)
+            return
+        if released:
+            self.mw.emit("released", route, rkey, status)
+        else:
+            logger.warning("idem_asgi: key %r was no longer held by this request; it was not released", rkey.key)
+            self.mw.emit("lease_lost", route, rkey, status)
+
+    async def _fail(self, status: int | None) -> None:
+        """Keep the claim with its lease ended: outcome-unknown until recovery resolves it."""
+        route, rkey = self.route, self.rkey
+        assert rkey is not None
+        try:
+            kept = await self.mw.backend.mark_failed(rkey, self.token)
+        except Exception as exc:
+            self.mw.emit("store_error", route, rkey, status)
+            store_failed(f"could not end the lease of key {rkey.key!r}; it ends outcome-unknown with its lease", exc)
+            return
+        if kept:
+            logger.warning(
+                "idem_asgi: key %r failed after its answer started or its effect; kept as outcome-unknown", rkey.key
+            )
+            self.mw.emit("unresolved", route, rkey, status)
+        else:
+            self.mw.emit("lease_lost", route, rkey, status)
+
+    async def _replay(self, response: StoredResponse) -> None:
+        """Send the stored answer verbatim, marked as a replay."""
+        headers = list(response.headers)
+        headers.append(self.mw.replay_header)
+        trailers = response.trailers
+        trail = trailers is not None and "http.response.trailers" in (self.scope.get("extensions") or {})
+        start = {"type": "http.response.start", "status": response.status, "headers": headers}
+        if trail:
+            start["trailers"] = True
+        await self.send(start)
+        await self.send({"type": "http.response.body", "body": response.body, "more_body": False})
+        if trail:
+            await self.send({"type": "http.response.trailers", "headers": list(trailers or ()), "more_trailers": False})
+
+    # -- refusals ---------------------------------------------------------------------------------
+
+    def _too_large(self) -> Refused:
+        limit = self.route.max_body
+        return Refused(problems.BODY_TOO_LARGE, f"The request body exceeds this route's limit of {limit} bytes.")
+
+    def _store_failed(self, what: str, exc: Exception) -> None:
+        self.mw.emit("store_error", self.route, self.rkey)
+        if isinstance(exc, BackendMisconfigured):
+            throttled(logging.ERROR, f"idem_asgi: the idempotency store refuses this app: {exc}")
+        else:
+            store_failed(what, exc)
+
+    def _store_refusal(self, exc: Exception) -> Refused:
+        if isinstance(exc, BackendMisconfigured):
+            return Refused(problems.STORE_MISCONFIGURED, event=None)
+        return Refused(problems.STORE_UNAVAILABLE, retry_after=self.route.retry_after, event=None)
