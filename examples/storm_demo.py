@@ -71,12 +71,16 @@ async def storm(backend_url: str, keys: int, duplicates: int, seed: int) -> int:
         await asyncio.gather(*(one(key, amount) for key, amount in jobs))
         # Every client now retries once more after its answer: all must be byte-identical replays.
         late = await asyncio.gather(
-            *(client.post("/payments", json={"amount": i}, headers={"Idempotency-Key": key, "X-Merchant-Id": "m-1"})
-              for key, i in {k: a for k, a in jobs}.items())
+            *(
+                client.post("/payments", json={"amount": i}, headers={"Idempotency-Key": key, "X-Merchant-Id": "m-1"})
+                for key, i in {k: a for k, a in jobs}.items()
+            )
         )
     wall = time.perf_counter() - started
-    late_ok = sum(r.headers.get("idempotent-replayed") == "true" and r.content == first[k]
-                  for r, k in zip(late, {k: a for k, a in jobs}, strict=True))
+    late_ok = sum(
+        r.headers.get("idempotent-replayed") == "true" and r.content == first[k]
+        for r, k in zip(late, {k: a for k, a in jobs}, strict=True)
+    )
     double = sum(n - 1 for n in charges.values() if n > 1)
     print(f"backend             {backend_url}")
     print(f"requests            {len(jobs)} ({keys} keys x {duplicates} concurrent duplicates), seed {seed}")

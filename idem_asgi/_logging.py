@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 from .errors import BackendError
@@ -38,3 +39,11 @@ def throttled(level: int, message: str, every: float = 60.0) -> None:
         return
     _last[message] = now
     logger.log(level, message)
+
+
+_SECRETISH = re.compile(r"[A-Za-z0-9_\-+/=.]{20,}")
+
+
+def redact(text: str) -> str:
+    """`text` with every run of 20+ token characters (keys, tokens, card numbers) replaced by `<redacted>`."""
+    return _SECRETISH.sub("<redacted>", text)

@@ -19,7 +19,7 @@ from . import problems
 from ._asgi import HIDDEN_EXTENSIONS, TooLarge, declared_too_large, holding_disconnect, read_body, replaying
 from ._capture import Capture
 from ._decide import Action, decide
-from ._logging import once, store_failed, throttled
+from ._logging import once, redact, store_failed, throttled
 from ._types import Receive, Scope, Send
 from .context import STATE_KEY, IdempotencyInfo, _current
 from .errors import BackendMisconfigured, InvalidScope, StoreFull
@@ -214,8 +214,13 @@ class Protected:
             raw = route.scope(self.scope)
         except InvalidScope as exc:
             raise Refused(problems.SCOPE_MALFORMED, _sentence(str(exc))) from None
-        except Exception:
-            logger.exception("idem_asgi: the scope callable of route %r raised", route.policy.path)
+        except Exception as exc:  # its text may carry the credential it was reading
+            logger.error(
+                "idem_asgi: the scope callable of route %r raised %s: %s",
+                route.policy.path,
+                type(exc).__name__,
+                redact(str(exc)),
+            )
             raise Refused(problems.SCOPE_MALFORMED, "The scope of this request could not be determined.") from None
         if raw is None or raw == "":
             if route.anonymous:
@@ -309,8 +314,11 @@ class Protected:
         if route.recover is not None:
             try:
                 outcome = await route.recover(rkey, record)
-            except Exception:
-                logger.exception("idem_asgi: recover hook failed for key %r", rkey.key)
+            except Exception as exc:  # its text may carry a provider's key or token
+                logger.warning(
+                    "idem_asgi: recover hook failed for key %r: %s: %s", rkey.key, type(exc).__name__, redact(str(exc))
+                )
+                logger.debug("idem_asgi: recover hook traceback", exc_info=exc)
         elif route.on_expired == "reclaim" and not (record.holder_failed or record.effect_committed):
             outcome = "run"  # the holder vanished (crash, stall); a holder that failed mid-answer is never re-run
         if outcome == "run" and record.effect_committed:
@@ -329,6 +337,8 @@ class Protected:
                 self.mw.emit("recovered", route, rkey)
                 return outcome
             taken = await backend.takeover(rkey, record.token, self.fingerprint, lease=route.lease, ttl=route.ttl)
+            if taken is None:  # resolved and gone meanwhile (released, expired): this request is a new one
+                return await backend.claim(rkey, self.fingerprint, lease=route.lease, ttl=route.ttl)
             if isinstance(taken, Claimed):
                 self.mw.emit("recovered", route, rkey)
                 if isinstance(outcome, StoredResponse):

@@ -31,7 +31,7 @@ from typing import Any
 
 from .backends._protocol import Backend
 from .backends.memory import MemoryBackend
-from .errors import BackendError, BackendUnavailable, ConfigurationError, InvalidScope
+from .errors import BackendError, BackendMisconfigured, BackendUnavailable, ConfigurationError, InvalidScope
 from .keys import ANONYMOUS_SCOPE, stored_scope
 from .reconcile import ReconcilableBackend, ReconcileReport, Resolver, reconcile
 from .records import Record, RecordKey, StaleRecord, StoredResponse
@@ -106,7 +106,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--older-than", type=float, default=60.0, metavar="SECONDS", help="lease ended this long ago (60)")
     p.add_argument("--limit", type=int, default=1000, help="claims examined in this run (1000)")
     p.add_argument("--namespace", default=None, help="only this namespace (default: all)")
-    p.add_argument("--ttl", type=float, default=86_400.0, help="keep a resolved answer this long, seconds (86400)")
+    p.add_argument(
+        "--ttl",
+        type=float,
+        default=None,
+        help="keep a resolved answer this long, seconds (default: the TTL each record was claimed with)",
+    )
     p.add_argument("--lease", type=float, default=30.0, help="lease held while writing an outcome, seconds (30)")
     p.add_argument("--concurrency", type=int, default=1, help="claims resolved at once (1)")
     p.add_argument("--dry-run", action="store_true", help="ask the hook, write nothing")
@@ -150,7 +155,7 @@ async def run(argv: Sequence[str] | None = None) -> int:
         return await _COMMANDS[args.command](args)
     except CliError as exc:
         return _fail(str(exc), exc.code)
-    except ConfigurationError as exc:
+    except (ConfigurationError, BackendMisconfigured) as exc:  # credentials, rights, schema: fix the setup
         return _fail(str(exc), 2)
     except BackendUnavailable as exc:
         return _fail(f"store unreachable: {exc}", 3)
@@ -244,6 +249,12 @@ async def _open(args: argparse.Namespace) -> AsyncIterator[Any]:
         )
     except (ValueError, asyncpg.ClientConfigurationError) as exc:
         raise CliError(f"invalid backend URL: {exc}", 2) from None
+    except (
+        asyncpg.InvalidAuthorizationSpecificationError,
+        asyncpg.InvalidCatalogNameError,
+        asyncpg.InsufficientPrivilegeError,
+    ) as exc:  # as Redis's wrong password: a configuration error, not an outage
+        raise CliError(f"store refuses the connection: postgres: {type(exc).__name__}: {exc}", 2) from None
     except (OSError, asyncio.TimeoutError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError) as exc:
         raise CliError(f"store unreachable: postgres: {type(exc).__name__}: {exc}", 3) from None
     except asyncpg.PostgresError as exc:
@@ -295,6 +306,10 @@ def _record_doc(key: RecordKey, record: Record) -> dict[str, Any]:
         "lease_until": _iso(record.lease_until),
         "expires_at": _iso(record.expires_at),
         "response": None if record.response is None else _response_doc(record.response),
+        "checkpoint": record.checkpoint,
+        "effect_committed": record.effect_committed,
+        "holder_failed": record.holder_failed,
+        "ttl": record.ttl,
     }
 
 
@@ -307,6 +322,8 @@ def _stale_doc(s: StaleRecord) -> dict[str, Any]:
         "expires_at": _iso(s.record.expires_at),
         "effect_committed": s.effect_committed,
         "holder_failed": s.record.holder_failed,
+        "checkpoint": s.record.checkpoint,
+        "ttl": s.record.ttl,
     }
 
 
@@ -338,8 +355,24 @@ def _stored_scope(scope: str | None) -> str | None:
         raise CliError(f"invalid --scope: {exc}", 2) from None
 
 
+def _utf8(value: str, what: str) -> str:
+    """Refuse an argument that is not valid UTF-8 (undecodable bytes reach argv as lone surrogates)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise CliError(f"{what} is not valid UTF-8", 2) from None
+    return value
+
+
+def _not_negative(seconds: float, what: str) -> float:
+    if not seconds >= 0:
+        raise CliError(f"{what} must be 0 or more seconds, got {seconds:g}", 2)
+    return seconds
+
+
 async def _inspect(args: argparse.Namespace) -> int:
-    key = RecordKey.build(args.namespace, _stored_scope(args.scope), args.key)
+    scope = None if args.scope is None else _utf8(args.scope, "--scope")
+    key = RecordKey.build(_utf8(args.namespace, "--namespace"), _stored_scope(scope), _utf8(args.key, "the key"))
     async with _open(args) as backend:
         record = await backend.get(key)
     if record is None:
@@ -359,6 +392,12 @@ async def _inspect(args: argparse.Namespace) -> int:
             over = "over: the holder stopped, outcome unknown" if record.lease_until <= time.time() else "running"
             out.append(f"lease     until {_iso(record.lease_until)} ({over}, by this machine's clock)")
         out.append(f"expires   {_iso(record.expires_at)}")
+        if record.checkpoint is not None:
+            out.append(f"checkpoint {record.checkpoint}")
+        if record.effect_committed:
+            out.append("effect    committed (transaction()): never run again")
+        if record.holder_failed:
+            out.append("failed    after its answer started or its effect: outcome unknown")
         if record.response is not None:
             r = record.response
             note = "replayable" if r.replayable else "not replayable (too large to store)"
@@ -373,6 +412,7 @@ async def _inspect(args: argparse.Namespace) -> int:
 async def _stale(args: argparse.Namespace) -> int:
     if args.limit < 1:
         raise CliError("--limit must be at least 1", 2)
+    _not_negative(args.older_than, "--older-than")
     async with _open(args) as backend:
         found = await _maintained(backend).stale(args.older_than, args.limit, namespace=args.namespace)
 
@@ -381,6 +421,7 @@ async def _stale(args: argparse.Namespace) -> int:
             f"{_iso(s.record.lease_until)}  {_label(s.key.namespace, s.key.scope, s.key.key)}  token {s.record.token}"
             + ("  effect committed" if s.effect_committed else "")
             + ("  failed mid-answer" if s.record.holder_failed else "")
+            + (f"  checkpoint {s.record.checkpoint!r}" if s.record.checkpoint is not None else "")
             for s in found
         ]
         out.append(f"{len(found)} stale claim(s) whose lease ended more than {args.older_than:g} s ago")
@@ -421,6 +462,9 @@ async def _reconcile(args: argparse.Namespace) -> int:
     resolve = _load_hook(args.hook)
     if args.limit < 1 or args.concurrency < 1:
         raise CliError("--limit and --concurrency must be at least 1", 2)
+    _not_negative(args.older_than, "--older-than")
+    if args.ttl is not None and not args.ttl > 0:
+        raise CliError(f"--ttl must be more than 0 seconds, got {args.ttl:g}", 2)
     async with _open(args) as backend:
         report = await reconcile(
             _maintained(backend),

@@ -14,20 +14,24 @@ what is safe to retry with that same key::
 
 Retried: transport errors (connection refused or reset, timeouts, a response lost on the way), 5xx
 (incl. 503 `store-unavailable`) and 409 `request-in-progress`. Never retried: every other 4xx (422
-`fingerprint-mismatch`, 409 `outcome-unknown` and `response-not-stored`, 400, 429, ...). Waits use
-exponential backoff with full jitter, or the server's `Retry-After` (seconds form) when it sends one;
-attempts and total time are bounded.
+`fingerprint-mismatch`, 409 `outcome-unknown` and `response-not-stored`, 400, 429, ...), and never a
+replayed answer (`Idempotent-Replayed: true`: it is final by definition, whatever its status). Waits
+use exponential backoff with full jitter, or the server's `Retry-After` (delay-seconds or an
+HTTP-date; a value that is neither is ignored) when it sends one; attempts and total time are
+bounded, reading the final answer's body included.
 
 httpx is imported here only, so the middleware never needs it: `pip install "idem-asgi[client]"`.
 """
 
 from __future__ import annotations
 
+import email.utils
 import json
 import random
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from datetime import datetime, timezone
 from typing import Any
 
 import anyio
@@ -79,6 +83,7 @@ class _Rules:
         backoff_base: float,
         backoff_cap: float,
         key_factory: Callable[[], str],
+        replay_header: str = "Idempotent-Replayed",
     ) -> None:
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
@@ -95,6 +100,7 @@ class _Rules:
         self.backoff_base = float(backoff_base)
         self.backoff_cap = float(backoff_cap)
         self.key_factory = key_factory
+        self.replay_header = replay_header
 
     def key_for(self, request: httpx.Request) -> str | None:
         """The call's key, minted and added now if the caller brought none; None leaves the request alone.
@@ -129,8 +135,9 @@ class _Rules:
         """Only a 409 problem needs its body read to tell `request-in-progress` from the final 409s."""
         return response.status_code == 409 and "json" in response.headers.get("content-type", "")
 
-    @staticmethod
-    def retryable(response: httpx.Response, body: bytes | None) -> bool:
+    def retryable(self, response: httpx.Response, body: bytes | None) -> bool:
+        if was_replayed(response, self.replay_header):
+            return False  # the stored answer of an earlier attempt: final, whatever its status
         if response.status_code >= 500:
             return True
         if response.status_code != 409 or body is None:
@@ -161,9 +168,20 @@ class _Rules:
 
 
 def _retry_after(response: httpx.Response) -> float | None:
-    """The delay-seconds form of `Retry-After`; the HTTP-date form falls back to backoff."""
+    """`Retry-After` in seconds from now, as HTTP defines it (RFC 9110 10.2.3): delay-seconds (ASCII
+    digits) or an HTTP-date (a date in the past means now). Anything else is ignored: None."""
     value = response.headers.get("retry-after", "").strip()
-    return float(value) if value.isdigit() else None
+    if not value:
+        return None
+    if value.isascii() and value.isdigit():
+        return float(min(int(value), 86_400))
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:  # "-0000" and obsolete forms: HTTP dates are UTC
+        when = when.replace(tzinfo=timezone.utc)
+    return max(0.0, (when - datetime.now(timezone.utc)).total_seconds())
 
 
 def _rebuilt(response: httpx.Response, raw: bytes) -> tuple[httpx.Response, bytes]:
@@ -203,6 +221,7 @@ class IdempotentRetryTransport(httpx.AsyncBaseTransport):
         backoff_base: First backoff ceiling in seconds; it doubles per attempt (full jitter).
         backoff_cap: Largest backoff ceiling in seconds.
         key_factory: Mints a key when the caller supplied none; called once per logical call.
+        replay_header: The header the server marks replays with; a replayed answer is never retried.
     """
 
     def __init__(
@@ -216,9 +235,12 @@ class IdempotentRetryTransport(httpx.AsyncBaseTransport):
         backoff_base: float = 0.1,
         backoff_cap: float = 5.0,
         key_factory: Callable[[], str] = new_key,
+        replay_header: str = "Idempotent-Replayed",
     ) -> None:
         """Validate the rules now, so a bad setting fails at start-up rather than on the first payment."""
-        self._rules = _Rules(methods, header, max_attempts, total_timeout, backoff_base, backoff_cap, key_factory)
+        self._rules = _Rules(
+            methods, header, max_attempts, total_timeout, backoff_base, backoff_cap, key_factory, replay_header
+        )
         self._inner = inner if inner is not None else httpx.AsyncHTTPTransport()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
@@ -250,14 +272,29 @@ class IdempotentRetryTransport(httpx.AsyncBaseTransport):
                     request=request,
                 )
             response, body = outcome
-            if not rules.retryable(response, body):
-                return _finish(response, key, attempt)
-            delay = rules.wait(attempt, response, deadline)
+            delay = rules.wait(attempt, response, deadline) if rules.retryable(response, body) else None
             if delay is None:
-                return _finish(response, key, attempt)
+                return _finish(await self._read(response, request, deadline), key, attempt)
             await response.aclose()
             await anyio.sleep(delay)
         raise AssertionError("unreachable: the last attempt always returns or raises")  # pragma: no cover
+
+    async def _read(self, response: httpx.Response, request: httpx.Request, deadline: float) -> httpx.Response:
+        """The final answer with its body read within the call's deadline (`total_timeout` covers it)."""
+        if response.is_stream_consumed:
+            return response
+        raw: bytes | None = None
+        try:
+            with anyio.move_on_after(max(deadline - time.monotonic(), 0.001)):
+                raw = b"".join([chunk async for chunk in response.aiter_raw()])
+        finally:
+            await response.aclose()
+        if raw is None:
+            raise httpx.TimeoutException(
+                f"idempotent call gave up reading the answer after total_timeout={self._rules.total_timeout}s",
+                request=request,
+            )
+        return _rebuilt(response, raw)[0]
 
     async def _attempt(self, request: httpx.Request) -> tuple[httpx.Response, bytes | None]:
         """One attempt; a 409 problem's body is read here, inside the deadline, to learn its type."""
@@ -290,6 +327,7 @@ class IdempotentRetrySyncTransport(httpx.BaseTransport):
         backoff_base: First backoff ceiling in seconds; it doubles per attempt (full jitter).
         backoff_cap: Largest backoff ceiling in seconds.
         key_factory: Mints a key when the caller supplied none; called once per logical call.
+        replay_header: The header the server marks replays with; a replayed answer is never retried.
     """
 
     def __init__(
@@ -303,9 +341,12 @@ class IdempotentRetrySyncTransport(httpx.BaseTransport):
         backoff_base: float = 0.1,
         backoff_cap: float = 5.0,
         key_factory: Callable[[], str] = new_key,
+        replay_header: str = "Idempotent-Replayed",
     ) -> None:
         """Validate the rules now, so a bad setting fails at start-up rather than on the first payment."""
-        self._rules = _Rules(methods, header, max_attempts, total_timeout, backoff_base, backoff_cap, key_factory)
+        self._rules = _Rules(
+            methods, header, max_attempts, total_timeout, backoff_base, backoff_cap, key_factory, replay_header
+        )
         self._inner = inner if inner is not None else httpx.HTTPTransport()
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
@@ -327,14 +368,29 @@ class IdempotentRetrySyncTransport(httpx.BaseTransport):
                     raise
                 time.sleep(delay)
                 continue
-            if not rules.retryable(response, body):
-                return _finish(response, key, attempt)
-            delay = rules.wait(attempt, response, deadline)
+            delay = rules.wait(attempt, response, deadline) if rules.retryable(response, body) else None
             if delay is None:
-                return _finish(response, key, attempt)
+                return _finish(self._read(response, request, deadline), key, attempt)
             response.close()
             time.sleep(delay)
         raise AssertionError("unreachable: the last attempt always returns or raises")  # pragma: no cover
+
+    def _read(self, response: httpx.Response, request: httpx.Request, deadline: float) -> httpx.Response:
+        """The final answer with its body read, given up between two chunks once the deadline passed."""
+        if response.is_stream_consumed:
+            return response
+        chunks: list[bytes] = []
+        try:
+            for chunk in response.iter_raw():
+                chunks.append(chunk)
+                if time.monotonic() > deadline:
+                    raise httpx.TimeoutException(
+                        f"idempotent call gave up reading the answer after total_timeout={self._rules.total_timeout}s",
+                        request=request,
+                    )
+        finally:
+            response.close()
+        return _rebuilt(response, b"".join(chunks))[0]
 
     def _attempt(self, request: httpx.Request) -> tuple[httpx.Response, bytes | None]:
         """One attempt; a 409 problem's body is read here to learn its type."""

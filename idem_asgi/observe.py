@@ -8,6 +8,7 @@ An observer that raises is logged and ignored: observability never fails a reque
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -32,6 +33,7 @@ EventName = Literal[
     "rejected",  # bad input: 400 or 413
 ]
 EVENT_NAMES: Final[tuple[str, ...]] = EventName.__args__  # type: ignore[attr-defined]
+_log = logging.getLogger("idem_asgi")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +69,17 @@ class Counters:
 _WARNINGS: Final = frozenset({"store_error", "lease_lost", "outcome_unknown", "expired"})
 
 
+def scope_digest(scope: str | None) -> str | None:
+    """A short, stable digest of a scope for logs: a scope may be an API key or a token hash."""
+    return None if scope is None else hashlib.sha256(scope.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+
+
 class LogObserver:
-    """One log record per event on logger `idem_asgi.events`, fields in `extra` for JSON formatters."""
+    """One log record per event on logger `idem_asgi.events`, fields in `extra` for JSON formatters.
+
+    The scope is logged as `idem_scope_digest` (16 hex characters of its sha256), never raw: some
+    apps scope by an API key or a credential's hash.
+    """
 
     def __init__(self, logger: logging.Logger | None = None, level: int = logging.INFO) -> None:
         self.logger = logger or logging.getLogger("idem_asgi.events")
@@ -88,20 +99,26 @@ class LogObserver:
                     "idem_event": event.name,
                     "idem_route": event.route,
                     "idem_key": event.key,
-                    "idem_scope": event.scope,
+                    "idem_scope_digest": scope_digest(event.scope),
                     "idem_status": event.status,
                 },
             )
 
 
 def fan_out(*observers: Observer) -> Observer:
-    """One observer that calls each of `observers` in turn."""
+    """One observer that calls each of `observers` in turn; one that raises is logged and the rest still run."""
 
     def observe(event: Event) -> None:
         for o in observers:
-            o(event)
+            try:
+                o(event)
+            except Exception:
+                _log.exception("idem_asgi: observer %r failed on %r", o, event.name)
 
     return observe
+
+
+_counters: dict[tuple[int, str], Any] = {}
 
 
 def prometheus_observer(registry: Any = None, name: str = "idem_asgi_events_total") -> Observer:
@@ -111,9 +128,14 @@ def prometheus_observer(registry: Any = None, name: str = "idem_asgi_events_tota
         from prometheus_client import Counter as PromCounter
     except ImportError as exc:
         raise ImportError('prometheus_observer needs prometheus-client: pip install "idem-asgi[prometheus]"') from exc
-    counter = PromCounter(
-        name.removesuffix("_total"), "Idempotency decisions", ["event", "route"], registry=registry or REGISTRY
-    )
+    registry = registry or REGISTRY
+    slot = (id(registry), name)
+    counter = _counters.get(slot)
+    if counter is None:  # a second call (an app factory, tests) reuses the series instead of failing
+        counter = PromCounter(
+            name.removesuffix("_total"), "Idempotency decisions", ["event", "route"], registry=registry
+        )
+        _counters[slot] = counter
 
     def observe(event: Event) -> None:
         counter.labels(event.name, event.route).inc()

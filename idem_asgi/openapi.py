@@ -9,7 +9,7 @@ from . import problems
 from .errors import ConfigurationError
 from .middleware import IdempotencyMiddleware
 from .policy import RoutePolicy
-from .routing import RouteTable
+from .routing import Route, RouteTable
 
 _METHODS = frozenset({"get", "put", "post", "delete", "options", "head", "patch", "trace"})
 _PROBLEM_SCHEMA = {
@@ -24,7 +24,7 @@ _PROBLEM_SCHEMA = {
     "required": ["type", "title", "status"],
 }
 _ANSWERS = {
-    "400": "Idempotency key missing or malformed.",
+    "400": "Idempotency key (or scope) missing or malformed.",
     "409": "A request with this key is still in progress (see Retry-After), or its outcome is unknown.",
     "413": "Request body over the route's limit.",
     "422": "Idempotency key reused with a different request.",
@@ -32,22 +32,54 @@ _ANSWERS = {
 }
 
 
-def _installed(app: Any) -> tuple[list[RoutePolicy], str]:
+class _Settings:
+    """What the installed middleware says about the routes to document."""
+
+    def __init__(self, routes: Sequence[RoutePolicy], header: str, replay_header: str) -> None:
+        self.routes = list(routes)
+        self.header = header
+        self.replay_header = replay_header
+
+
+def _installed(app: Any) -> _Settings | None:
     for m in getattr(app, "user_middleware", ()):
         if getattr(m, "cls", None) is IdempotencyMiddleware:
-            return list(m.kwargs.get("routes", ())), m.kwargs.get("header", "Idempotency-Key")
-    raise ConfigurationError("add_openapi: no IdempotencyMiddleware on this app; pass routes=...")
+            kwargs = m.kwargs
+            return _Settings(
+                kwargs.get("routes", ()),
+                kwargs.get("header", "Idempotency-Key"),
+                kwargs.get("replay_header", "Idempotent-Replayed"),
+            )
+    return None
 
 
-def add_openapi(app: Any, routes: Sequence[RoutePolicy] | None = None, *, header: str = "Idempotency-Key") -> None:
+def add_openapi(
+    app: Any,
+    routes: Sequence[RoutePolicy] | None = None,
+    *,
+    header: str | None = None,
+    replay_header: str | None = None,
+) -> None:
     """Add the key header and the problem answers to each protected operation of a FastAPI app.
 
-    Policies match path templates the way they match request paths (`{id}` matches one
-    segment); `routes` defaults to those of the `IdempotencyMiddleware` added to `app`.
+    Policies match path templates the way they match request paths (`{id}` matches one segment);
+    `routes`, `header` and `replay_header` default to those of the `IdempotencyMiddleware` added to
+    `app`. FastAPI apps mounted in `app` are documented too, in their own schema, with the policies
+    under their mount path (relative to it) and their own middleware's.
     """
-    if routes is None:
-        routes, header = _installed(app)
-    table = RouteTable(routes, header=header, scope=None)
+    found = _installed(app)
+    if routes is None and found is None:
+        raise ConfigurationError("add_openapi: no IdempotencyMiddleware on this app; pass routes=...")
+    settings = _Settings(
+        routes if routes is not None else found.routes if found is not None else (),
+        header or (found.header if found is not None else "Idempotency-Key"),
+        replay_header or (found.replay_header if found is not None else "Idempotent-Replayed"),
+    )
+    _install(app, settings)
+
+
+def _install(app: Any, settings: _Settings) -> None:
+    table = RouteTable(settings.routes, header=settings.header)
     generate = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -56,29 +88,64 @@ def add_openapi(app: Any, routes: Sequence[RoutePolicy] | None = None, *, header
         schema: dict[str, Any] = generate()
         for path, item in schema.get("paths", {}).items():
             for method, operation in item.items():
-                if method in _METHODS and (found := table.match(path, method.upper())) is not None:
-                    _document(operation, found.policy, found.header_name)
+                if method in _METHODS and (route := table.match(path, method.upper())) is not None:
+                    _document(operation, route, settings.replay_header)
         schema.setdefault("components", {}).setdefault("schemas", {})["IdempotencyProblem"] = _PROBLEM_SCHEMA
         app.openapi_schema = schema
         return schema
 
     app.openapi = openapi
+    for prefix, sub in _mounted(app):
+        own = _installed(sub)
+        inner = [_relative(p, prefix) for p in settings.routes if p.path.startswith(prefix + "/")]
+        _install(
+            sub,
+            _Settings(
+                [*inner, *(own.routes if own is not None else ())],
+                own.header if own is not None else settings.header,
+                own.replay_header if own is not None else settings.replay_header,
+            ),
+        )
 
 
-def _document(operation: dict[str, Any], policy: RoutePolicy, header: str) -> None:
-    operation.setdefault("parameters", []).append(
-        {
-            "name": header,
-            "in": "header",
-            "required": policy.required,
-            "description": "Idempotency key: every retry of one operation carries the same value; 1-255 visible ASCII.",
-            "schema": {"type": "string", "minLength": 1, "maxLength": 255},
-        }
-    )
+def _mounted(app: Any) -> list[tuple[str, Any]]:
+    """(mount path, app) for each FastAPI-like app mounted directly in `app`."""
+    found = []
+    for route in getattr(app, "routes", ()):
+        sub = getattr(route, "app", None)
+        path = getattr(route, "path", None)
+        if isinstance(path, str) and callable(getattr(sub, "openapi", None)) and hasattr(sub, "openapi_schema"):
+            found.append((path.rstrip("/"), sub))
+    return found
+
+
+def _relative(policy: RoutePolicy, prefix: str) -> RoutePolicy:
+    from dataclasses import replace
+
+    return replace(policy, path=policy.path[len(prefix) :] or "/")
+
+
+def _document(operation: dict[str, Any], route: Route, replay_header: str) -> None:
+    parameters = operation.setdefault("parameters", [])
+    declared = {(p.get("in"), str(p.get("name", "")).lower()) for p in parameters if isinstance(p, dict)}
+    # A route that derives its key ignores the header: documenting it would mislead clients.
+    if route.key_source is None and ("header", route.header_name.lower()) not in declared:
+        parameters.append(
+            {
+                "name": route.header_name,
+                "in": "header",
+                "required": route.required,
+                "description": "Idempotency key: every retry of one operation carries the same value; "
+                "1-255 visible ASCII.",
+                "schema": {"type": "string", "minLength": 1, "maxLength": 255},
+            }
+        )
+    if not parameters:
+        del operation["parameters"]
     responses = operation.setdefault("responses", {})
     for code, response in responses.items():
         if code.startswith("2"):
-            response.setdefault("headers", {})["Idempotent-Replayed"] = {
+            response.setdefault("headers", {})[replay_header] = {
                 "description": "`true` when this is the stored answer of an earlier request with the same key.",
                 "schema": {"type": "string", "enum": ["true"]},
             }

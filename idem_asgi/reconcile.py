@@ -28,6 +28,7 @@ from typing import Literal, Protocol, TypeAlias
 import anyio
 import msgspec
 
+from ._logging import redact
 from .backends._protocol import Backend, Maintenance
 from .errors import ConfigurationError
 from .records import IN_PROGRESS, Claimed, Record, RecordKey, StaleRecord, StoredResponse
@@ -113,7 +114,7 @@ async def reconcile(
     *,
     older_than: float,
     limit: int = 1000,
-    ttl: float = 86_400,
+    ttl: float | None = None,
     lease: float = 30,
     namespace: str | None = None,
     dry_run: bool = False,
@@ -128,7 +129,9 @@ async def reconcile(
         older_than: Seconds since the lease ended. Give a live holder time to renew: well over
             the route's lease (its holder renews every third of it).
         limit: Claims examined in this run (run again for more; unresolved ones are listed again).
-        ttl: How long a resolved answer is kept for replay, from now (use the route's TTL).
+        ttl: How long a resolved answer is kept for replay, from now. Default: the TTL the record was
+            claimed with (its route's). A record written by a version that did not store it is
+            skipped unless `ttl` is given: never a silent default.
         lease: The short lease held between taking a claim over and writing its outcome.
         namespace: Only this namespace's claims (another app's claims need another resolver).
         dry_run: Ask `resolve` but write nothing; the counts say what would have been done.
@@ -159,15 +162,24 @@ async def reconcile(
 
 
 async def _resolve_one(
-    backend: ReconcilableBackend, resolve: Resolver, s: StaleRecord, *, ttl: float, lease: float, dry_run: bool
+    backend: ReconcilableBackend,
+    resolve: Resolver,
+    s: StaleRecord,
+    *,
+    ttl: float | None,
+    lease: float,
+    dry_run: bool,
 ) -> tuple[Action, str]:
     try:
         outcome = resolve(s)
         if inspect.isawaitable(outcome):
             outcome = await outcome
     except Exception as exc:
-        logger.exception("idem_asgi: reconcile resolver failed for key %r", s.key.key)
-        return "error", f"resolve raised {type(exc).__name__}: {exc}"
+        # The resolver talks to a payment provider: its exception text may carry a key or token.
+        detail = f"resolve raised {type(exc).__name__}: {redact(str(exc))}"
+        logger.warning("idem_asgi: reconcile resolver failed for key %r: %s", s.key.key, detail)
+        logger.debug("idem_asgi: reconcile resolver traceback", exc_info=exc)
+        return "error", detail
     if outcome is None:
         return "unresolved", "outcome still unknown"
     if outcome == "release":
@@ -182,11 +194,14 @@ async def _resolve_one(
             return "completed", f"dry run: would store a {outcome.status} answer"
     else:
         return "error", f"resolve returned {outcome!r}; expected a StoredResponse, 'release' or None"
+    keep = s.record.ttl if ttl is None else ttl
+    if keep is None and isinstance(outcome, StoredResponse):
+        return "skipped", "its TTL is not stored (an older record): pass ttl= (--ttl) to store an answer"
     try:
-        return await _apply(backend, s, outcome, ttl=ttl, lease=lease)
+        return await _apply(backend, s, outcome, ttl=keep or lease, lease=lease)
     except Exception as exc:
-        logger.exception("idem_asgi: reconcile could not write the outcome for key %r", s.key.key)
-        return "error", f"store failed: {type(exc).__name__}: {exc}"
+        logger.warning("idem_asgi: reconcile could not write the outcome for key %r: %s", s.key.key, exc)
+        return "error", f"store failed: {type(exc).__name__}: {redact(str(exc))}"
 
 
 async def _apply(
@@ -217,6 +232,8 @@ async def _apply(
     # token still holds and its lease is still over, and fences the old holder out for good
     # should it wake up. Only then is the outcome written, under the new token.
     taken = await backend.takeover(key, record.token, record.fingerprint, lease=lease, ttl=ttl)
+    if taken is None:
+        return "skipped", "gone since it was listed (released, completed or expired)"
     if not isinstance(taken, Claimed):
         return "skipped", "changed since it was listed"
     if outcome == "release":

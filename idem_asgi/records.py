@@ -50,6 +50,9 @@ class Record(msgspec.Struct, frozen=True, gc=False):
     holder_failed: bool = False
     """In progress, and its holder failed after its answer started or after it marked an effect: the
     lease was ended at once, and `reclaim` never re-runs it (only recovery resolves it)."""
+    ttl: float | None = None
+    """The TTL (seconds) the record was claimed with, so a resolved answer is kept as long as the
+    route would keep it; None for records written by a version that did not store it."""
 
 
 class RecordKey(msgspec.Struct, frozen=True, gc=False):

@@ -9,7 +9,7 @@ the first matching entry wins.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from typing import Generic, TypeVar
 
 from ._types import Scope
@@ -145,7 +145,11 @@ class Route:
         self.required = policy.required
         self.max_body = policy.max_body
         self.max_stored_body = policy.max_stored_body
-        self.release_statuses = policy.release_statuses
+        # A derived key (an event id) is the operation: a 405 for a method the app does not route must
+        # never be stored under it, or the genuine delivery would be answered with that 405.
+        self.release_statuses: Container[int] = (
+            policy.release_statuses if policy.key is None else _With(policy.release_statuses, 405)
+        )
         self.key_source = policy.key
         self.fingerprint: FingerprintRule = policy.fingerprint or getattr(policy.key, "fingerprint", None) or RawBody()
         if policy.single_tenant and policy.scope is not None:
@@ -165,6 +169,19 @@ class Route:
     def unscoped(self) -> bool:
         """No scope callable and not declared single-tenant: every caller would share one key space."""
         return self.scope is None and not self.policy.single_tenant
+
+
+class _With:
+    """A status container plus one more status."""
+
+    __slots__ = ("_base", "_extra")
+
+    def __init__(self, base: Container[int], extra: int) -> None:
+        self._base = base
+        self._extra = extra
+
+    def __contains__(self, status: object) -> bool:
+        return status == self._extra or status in self._base
 
 
 class RouteTable(PathTable[Route]):

@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Sequence
-from typing import Final, Literal, Protocol, runtime_checkable
+from typing import Any, Final, Literal, Protocol, runtime_checkable
 
 from . import problems
 from ._asgi import TooLarge, declared_too_large, read_body, replaying
@@ -56,6 +56,11 @@ class Scheme(Protocol):
     def verify(self, headers: Headers, body: bytes, secrets: Sequence[bytes]) -> None:
         """Return if one of `secrets` signed `body`; raise SignatureMalformed or SignatureInvalid otherwise."""
         ...
+
+
+def signed_headers(scheme: object) -> frozenset[str]:
+    """The request headers a scheme's signature covers (lower case): its `signed_headers`, else none."""
+    return frozenset(h.lower() for h in getattr(scheme, "signed_headers", ()))
 
 
 def _mac(secret: bytes, payload: bytes) -> bytes:
@@ -234,10 +239,51 @@ class SignatureMiddleware:
         if not isinstance(scheme, Scheme):
             raise ConfigurationError(f"{scheme!r} has no verify(headers, body, secrets) method")
         self.scheme = scheme
+        self._check_inner(app)
         self._secrets = _load_secrets(secrets, secrets_env)
         if max_body <= 0:
             raise ConfigurationError(f"max_body must be positive, got {max_body}")
         self.max_body = max_body
+
+    def _check_inner(self, app: ASGIApp) -> None:
+        """Refuse, at start-up, an idempotency route inside us that an unsigned request could poison.
+
+        A route keyed by the request itself (an event id) is a key space only signed deliveries may
+        write to: every method it protects must be one we verify, and a key read from a header must
+        come from a header the signature covers.
+        """
+        from .derived import event_id
+        from .middleware import IdempotencyMiddleware
+
+        inner: Any = app
+        for _ in range(32):
+            if inner is None:
+                return
+            if isinstance(inner, IdempotencyMiddleware):
+                for route in inner.routes:
+                    if route.key_source is None or not any(
+                        self._table.match(route.policy.path, m) for m in self.methods
+                    ):
+                        continue
+                    unsigned = sorted(route.methods - self.methods)
+                    if unsigned:
+                        raise ConfigurationError(
+                            f"route {route.policy.path!r} keys requests by their content for {unsigned}, but "
+                            f"SignatureMiddleware verifies only {sorted(self.methods)}: an unsigned {unsigned[0]} "
+                            f"could claim a real event id. Give the RoutePolicy methods={sorted(self.methods)}"
+                        )
+                    header = getattr(route.key_source, "header", None)
+                    if isinstance(route.key_source, event_id) and header is not None:
+                        name = header.decode("latin-1")
+                        if name not in signed_headers(self.scheme):
+                            raise ConfigurationError(
+                                f"route {route.policy.path!r} keys deliveries by the {name} header, which the "
+                                f"{type(self.scheme).__name__} signature does not cover: a captured delivery "
+                                "could be applied again under a new header value. Key by a signed body field "
+                                "(event_id(field='id')) or use a scheme that signs the header "
+                                "(its signed_headers)"
+                            )
+            inner = getattr(inner, "app", None)
 
     def __repr__(self) -> str:
         # Never the secrets: this object ends up in tracebacks and debug pages.

@@ -7,8 +7,13 @@ scenario with its own key:
   then (with `mismatch=True`) the same key with a changed body;
 - **faults** (`faults=`): a client that disconnects while its body is still arriving
   (`disconnect_mid_body`), the first request's task cancelled mid-flight (`cancel_first`), the store
-  failing between the claim and storing the answer (`store_fails_after_claim`), and the answer lost
-  on its way to the client, which then retries (`response_lost`).
+  failing between the claim and storing the answer (`store_fails_after_claim`), the connection lost
+  after the app ran, so the client never gets the answer and retries (`response_lost`), retries
+  landing while the first answer is being written (`retry_during_write`), and the handler failing
+  before any effect, which must free the key for the retry (`app_fails_before_effect`).
+
+A request that moved the probe (the effect happened) and then answered 5xx or raised is allowed
+once; if the key then runs again, the report says to call `mark_effect()` after the effect.
 
 It counts the handler's executions through your `probe` and returns a `StormReport`;
 `report.assert_ok()` fails with a key-by-key explanation unless the contract held. As a pytest
@@ -47,6 +52,7 @@ from .records import ClaimResult, Record, RecordKey, StoredResponse
 __all__ = [
     "FAULTS",
     "Answer",
+    "InjectedAppFailure",
     "InjectedStoreFailure",
     "KeyReport",
     "StormReport",
@@ -54,7 +60,14 @@ __all__ = [
     "storm",
 ]
 
-FAULTS: Final = ("disconnect_mid_body", "cancel_first", "store_fails_after_claim", "response_lost")
+FAULTS: Final = (
+    "disconnect_mid_body",
+    "cancel_first",
+    "store_fails_after_claim",
+    "response_lost",
+    "retry_during_write",
+    "app_fails_before_effect",
+)
 """Every fault `storm()` can inject (all of them by default)."""
 
 DISABLE_ENV: Final = "IDEM_ASGI_DISABLED"
@@ -87,7 +100,9 @@ class Answer:
     error: BaseException | None = None
     """What the ASGI call raised, if anything."""
     lost: bool = False
-    """The answer was dropped before the client got it (fault `response_lost`)."""
+    """The connection was lost: the client got none of the answer (fault `response_lost`)."""
+    effect: int | None = None
+    """How far the probe moved while this request ran, for requests sent one at a time (else None)."""
     cancelled: bool = False
     timed_out: bool = False
     kind: str = ""
@@ -159,11 +174,13 @@ class StormReport:
     keys: list[KeyReport] = field(default_factory=list)
     hints: list[str] = field(default_factory=list)
     """Likely causes when something failed (no middleware found, switch set, no matching policy)."""
+    problems: list[str] = field(default_factory=list)
+    """Problems of the setup rather than of one key (a per-process store behind several workers)."""
 
     @property
     def ok(self) -> bool:
-        """True when every key kept the contract."""
-        return all(k.ok for k in self.keys)
+        """True when every key kept the contract and the setup can."""
+        return not self.problems and all(k.ok for k in self.keys)
 
     @property
     def failures(self) -> list[KeyReport]:
@@ -186,10 +203,12 @@ class StormReport:
         failed = self.failures
         head = f"idem_asgi storm on {self.method} {self.path}: "
         head += f"{len(failed)} of {len(self.keys)} keys broke the contract" if failed else "contract held"
-        lines = [head]
+        if self.problems:
+            head += " in this process, but the setup cannot hold it" if not failed else ""
+        lines = [head, *(f"  - {p}" for p in self.problems)]
         lines += [k.explain() for k in failed]
         lines += [f"ok  {k.headline()}" for k in self.keys if k.ok]
-        if failed and self.hints:
+        if (failed or self.problems) and self.hints:
             lines += ["hints:"] + [f"  * {h}" for h in self.hints]
         return "\n".join(lines)
 
@@ -275,23 +294,30 @@ def _not_injected(record: logging.LogRecord) -> bool:
 class _FailingStore:
     """A Backend wrapper whose `complete` raises BackendUnavailable once for each armed key."""
 
-    def __init__(self, inner: Backend, armed: set[str], fired: set[str]) -> None:
+    def __init__(
+        self, inner: Backend, armed: set[str], fired: set[str], writing: dict[str, Callable[[], None]]
+    ) -> None:
         self.inner = inner
         self.wrapped = inner  # PostgresBackend.transaction() finds its own claim through wrappers
         self._armed = armed
         self._fired = fired
+        self._writing = writing
 
     async def claim(self, key: RecordKey, fingerprint: bytes, *, lease: float, ttl: float) -> ClaimResult:
         return await self.inner.claim(key, fingerprint, lease=lease, ttl=ttl)
 
     async def takeover(
         self, key: RecordKey, stale_token: int, fingerprint: bytes, *, lease: float, ttl: float
-    ) -> ClaimResult:
+    ) -> ClaimResult | None:
         return await self.inner.takeover(key, stale_token, fingerprint, lease=lease, ttl=ttl)
 
     async def complete(self, key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
         if _fire(key, self._armed, self._fired):
             raise InjectedStoreFailure("store failed after the claim (injected by idem_asgi.testing)")
+        starting = self._writing.pop(key.key, None)
+        if starting is not None:
+            starting()  # the storm's retries start now, and land while this write is in flight
+            await asyncio.sleep(0)
         return await self.inner.complete(key, token, response, ttl=ttl)
 
     async def release(self, key: RecordKey, token: int) -> bool:
@@ -312,6 +338,10 @@ class _FailingStore:
     def __getattr__(self, name: str) -> Any:
         # Anything beyond the Backend protocol (maintenance methods, pool, setup) is the real store's.
         return getattr(self.inner, name)
+
+
+class InjectedAppFailure(RuntimeError):
+    """The handler failure `storm()` injects (fault `app_fails_before_effect`), before the app runs."""
 
 
 def _fire(key: RecordKey, armed: set[str], fired: set[str]) -> bool:
@@ -355,6 +385,8 @@ class _Storm:
         self.release: Container[int] = range(500, 600)
         self.armed: set[str] = set()
         self.fired: set[str] = set()
+        self.writing: dict[str, Callable[[], None]] = {}  # key -> called when its store write begins
+        self.failing: set[str] = set()  # keys whose handler fails once, before it runs
         self.injectable = False
         self._app_errors: dict[int, BaseException] = {}
         self._clients = itertools.count(40_000)
@@ -371,7 +403,7 @@ class _Storm:
         try:
             for mw in targets:
                 saved.append((mw, mw.backend, mw.app))
-                mw.backend = _FailingStore(mw.backend, self.armed, self.fired)
+                mw.backend = _FailingStore(mw.backend, self.armed, self.fired, self.writing)
                 mw.app = self._marking(mw.app)
             self.injectable = bool(targets)
             if not targets and backend is not None:
@@ -403,10 +435,14 @@ class _Storm:
         return True
 
     def _marking(self, inner: ASGIApp) -> ASGIApp:
-        errors = self._app_errors
+        errors, failing, key_header = self._app_errors, self.failing, self.key_header
 
         async def app(scope: Scope, receive: Receive, send: Send) -> None:
             try:
+                key = next((v for k, v in scope.get("headers", ()) if k == key_header), b"").decode("latin-1")
+                if key in failing:
+                    failing.discard(key)
+                    raise InjectedAppFailure("the handler failed before any effect (injected by idem_asgi.testing)")
                 await inner(scope, receive, send)
             except BaseException as exc:
                 errors[id(exc)] = exc  # raised by the app, not by idem_asgi
@@ -477,9 +513,12 @@ class _Storm:
         disconnect_mid_body: bool = False,
         lost: bool = False,
         hang_at_send: asyncio.Event | None = None,
+        on_last_chunk: Callable[[], None] | None = None,
     ) -> Answer:
         """One raw ASGI call. The client waits for the whole answer before it "hangs up" (so apps
-        that listen for a disconnect are not cut short), unless it disconnects mid-body."""
+        that listen for a disconnect are not cut short), unless it disconnects mid-body. With `lost`,
+        the connection is gone once the body was sent: every `send` raises `OSError`, as a server's
+        does for a client that left, and the client gets nothing."""
         body = self.request.body if body is None else body
         scope = self.scope(key, len(body))
         answered = asyncio.Event()
@@ -491,6 +530,8 @@ class _Storm:
         )
         chunks: list[bytes] = []
         answer.lost = lost
+        if lost:
+            answered.set()  # the client is gone: a `receive` after the body is a disconnect
 
         async def receive() -> Message:
             if pending:
@@ -503,6 +544,9 @@ class _Storm:
             return {"type": "http.disconnect"}
 
         async def send(message: Message) -> None:
+            if lost:
+                await asyncio.sleep(0)
+                raise OSError("connection reset by peer (the answer is lost: injected by idem_asgi.testing)")
             kind = message["type"]
             if kind == "http.response.start" and answer.status is None:
                 answer.status = int(message["status"])
@@ -512,6 +556,8 @@ class _Storm:
                 if not message.get("more_body", False):
                     answer.complete = True
                     answered.set()
+                    if on_last_chunk is not None:
+                        on_last_chunk()
             if hang_at_send is not None:
                 hang_at_send.set()
                 await asyncio.Event().wait()  # the client stalls here until the storm cancels the request
@@ -650,6 +696,7 @@ async def storm(
     key_header: str = "Idempotency-Key",
     replay_header: str = "Idempotent-Replayed",
     request_timeout: float = 10.0,
+    workers: int = 1,
 ) -> StormReport:
     """Fire retry storms and faults at `app` in-process; return what each key saw.
 
@@ -673,6 +720,8 @@ async def storm(
             found (it is then patched on the instance for the duration of the storm).
         key_header, replay_header: As configured on the middleware.
         request_timeout: Seconds before one request counts as hung.
+        workers: How many processes serve the app in production. With more than one, a per-process
+            store (`MemoryBackend`) fails the report: each worker would run the retry again.
 
     The app runs without its lifespan: start it yourself if your handlers need it. While the storm
     runs, the middleware's store and inner app are wrapped (restored afterwards).
@@ -680,8 +729,8 @@ async def storm(
     bad_faults = [f for f in faults if f not in FAULTS]
     if bad_faults:
         raise ValueError(f"unknown fault(s) {bad_faults}; choose from {list(FAULTS)}")
-    if concurrency < 1 or repeats < 0:
-        raise ValueError("concurrency must be at least 1 and repeats at least 0")
+    if concurrency < 1 or repeats < 0 or workers < 1:
+        raise ValueError("concurrency and workers must be at least 1, and repeats at least 0")
     raw_headers = list(headers.items()) if isinstance(headers, Mapping) else list(headers)
     encoded = tuple((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in raw_headers)
     if json is not None:
@@ -707,6 +756,7 @@ async def storm(
     if backend is not None:
         targets = [m for m in targets if m.backend is backend]
     _configure(run, report, targets)
+    _per_process(report, targets, workers)
 
     with run.instrumented(targets, backend):
         report.keys.append(await _storm_key(run, prefix, concurrency, repeats, mismatch))
@@ -715,6 +765,8 @@ async def storm(
             "cancel_first": _cancel_first,
             "store_fails_after_claim": _store_fails,
             "response_lost": _response_lost,
+            "retry_during_write": _retry_during_write,
+            "app_fails_before_effect": _app_fails,
         }
         for fault in FAULTS:
             if fault in faults:
@@ -742,6 +794,22 @@ def _configure(run: _Storm, report: StormReport, targets: Sequence[IdempotencyMi
         report.hints.append(f"no RoutePolicy of the IdempotencyMiddleware matches {request.method} {request.path}")
 
 
+def _per_process(report: StormReport, targets: Sequence[IdempotencyMiddleware], workers: int) -> None:
+    """A store each process keeps for itself cannot hold the contract across several workers."""
+    from .backends.memory import MemoryBackend
+
+    local = [mw for mw in targets if isinstance(mw.backend, MemoryBackend)]
+    if not local:
+        return
+    if workers > 1:
+        report.problems.append(
+            f"the store is a MemoryBackend, which each process keeps for itself: at {workers} workers a retry "
+            "that reaches another worker runs again. Use RedisBackend or PostgresBackend"
+        )
+    else:
+        report.hints.append("the store is a MemoryBackend: fine for one process, wrong as soon as there are two")
+
+
 def _executions(kr: KeyReport, before: int, after: int) -> None:
     kr.executions = after - before
     if kr.executions > kr.expected_max:
@@ -749,6 +817,15 @@ def _executions(kr: KeyReport, before: int, after: int) -> None:
             0,
             f"the handler ran {_n(kr.executions, 'time')} for one key; the contract allows {kr.expected}",
         )
+        effectful = [a for a in kr.answers if a.kind == "failed" and a.effect]
+        if effectful:
+            kr.problems.insert(
+                1,
+                f"{_n(len(effectful), 'request')} had the effect (the probe moved) and then failed "
+                f"({_summary(effectful)}): the claim was released and a retry ran it again. Call "
+                "request.state.idempotency.mark_effect() right after the effect, so a later failure keeps the "
+                "claim (outcome-unknown) instead",
+            )
     elif kr.executions < kr.expected_min:
         kr.problems.insert(
             0,
@@ -770,17 +847,21 @@ def _judge(run: _Storm, kr: KeyReport) -> Answer | None:
             f"other one must be a replay marked {run.replay_header_name}: true, or a 409"
         )
     first = runs[0] if runs else None
+    # A failure before any effect is released, and its retry may run again; one after the effect
+    # (the probe moved during it) is the effect itself, which must never happen twice.
+    effectful = [a for a in failed if a.effect]
+    before_effect = [a for a in failed if not a.effect]  # effect 0, or unknown (concurrent requests)
     if failed:
         kr.notes.append(
-            f"the app itself failed {_n(len(failed), 'time')} ({_summary(failed)}): its own error, the claim is "
-            "released and a retry may run again"
+            f"the app itself failed {_n(len(failed), 'time')} ({_summary(failed)}): its own error; a failure "
+            "before any effect is released and a retry may run again"
         )
     kr.expected_min = 1 if first is not None and first.status is not None and 200 <= first.status < 300 else 0
     hung = [a for a in kr.answers if a.timed_out]  # may have run before it was cut off
     if hung:
         phases = ", ".join(sorted({a.phase for a in hung}))
         kr.problems.append(f"{_n(len(hung), 'request')} ({phases}) got no answer within {run.timeout:g}s: hung")
-    kr.expected_max = (1 if first is not None else 0) + len(failed) + len(hung)
+    kr.expected_max = (1 if first is not None or effectful else 0) + len(before_effect) + len(hung)
     replays = [a for a in kr.answers if a.kind == "replay"]
     base = first or (replays[0] if replays else None)
     diffs = [(a, d) for a in replays if base is not None and (d := run.difference(base, a)) is not None]
@@ -803,8 +884,12 @@ def _in_progress(a: Answer) -> bool:
 
 
 async def _sequential(run: _Storm, kr: KeyReport, phase: str, n: int, **kwargs: Any) -> None:
+    """`n` requests one after another, each with the probe's movement during it (`Answer.effect`)."""
     for _ in range(n):
-        kr.answers.append(await run.drive(kr.key, Answer(phase), **kwargs))
+        before = await run.count(kr.key)
+        answer = await run.drive(kr.key, Answer(phase), **kwargs)
+        answer.effect = await run.count(kr.key) - before
+        kr.answers.append(answer)
 
 
 async def _storm_key(run: _Storm, key: str, concurrency: int, repeats: int, mismatch: bool) -> KeyReport:
@@ -946,20 +1031,96 @@ async def _store_fails(run: _Storm, key: str, repeats: int) -> KeyReport:
 
 async def _response_lost(run: _Storm, key: str, repeats: int) -> KeyReport:
     kr = KeyReport(
-        key, "response_lost", f"the first answer is lost on its way to the client, then {_n(repeats, 'retry')}"
+        key,
+        "response_lost",
+        f"the connection is lost after the app ran (the client gets nothing), then {_n(repeats, 'retry')}",
     )
     before = await run.count(key)
     await _sequential(run, kr, "lost", 1, lost=True)
     await _sequential(run, kr, "retry", repeats)
     _judge(run, kr)
+    lost = kr.answers[0]
+    if lost.effect:  # it ran: that was the one execution, and every retry must replay its answer
+        kr.expected_min = 1
+        kr.expected_max = 1 + sum(a.kind == "failed" and not a.effect for a in kr.answers[1:])
     _executions(kr, before, await run.count(key))
-    if kr.answers[0].kind == "run":
+    if lost.effect:
         _unexpected(
             kr,
             "retry",
-            _stored,
-            "replays of the lost answer (it had completed: the answer is stored before its last byte is sent)",
+            lambda a: _stored(a) or a.label.startswith("409 outcome-unknown"),
+            "replays of the lost answer (the app ran; its client hanging up must not free the key), or "
+            "409 outcome-unknown when the app failed after its effect",
         )
+    return kr
+
+
+async def _retry_during_write(run: _Storm, key: str, repeats: int) -> KeyReport:
+    n = max(repeats, 1)
+    kr = KeyReport(
+        key,
+        "retry_during_write",
+        f"{_n(n, 'retry')} land while the first answer is being written, then {_n(repeats, 'repeat')}",
+    )
+    retries: list[asyncio.Future[Answer]] = []
+
+    def fire() -> None:
+        if not retries:
+            retries.extend(asyncio.ensure_future(run.drive(key, Answer("during-write"))) for _ in range(n))
+
+    before = await run.count(key)
+    if run.injectable:
+        run.writing[key] = fire  # when the store write begins
+        first = await run.drive(key, Answer("first"))
+    else:
+        first = await run.drive(key, Answer("first"), on_last_chunk=fire)  # as the last byte arrives
+    run.writing.pop(key, None)
+    first.effect = None
+    kr.answers.append(first)
+    if retries:
+        kr.answers += await asyncio.gather(*retries)
+    else:
+        kr.notes.append("the first request never got to writing its answer, so no retry landed during the write")
+    await _sequential(run, kr, "repeat", repeats)
+    _judge(run, kr)
+    _executions(kr, before, await run.count(key))
+    _unexpected(
+        kr,
+        "during-write",
+        lambda a: _in_progress(a) or a.kind == "replay",
+        "409 request-in-progress or a replay: the key stays held until its answer is stored",
+    )
+    if first.kind == "run":
+        _unexpected(kr, "repeat", _stored, "replays of the first answer")
+    return kr
+
+
+async def _app_fails(run: _Storm, key: str, repeats: int) -> KeyReport:
+    kr = KeyReport(
+        key,
+        "app_fails_before_effect",
+        f"the handler fails once before any effect (injected), then {_n(max(repeats, 1), 'retry')}",
+    )
+    if not run.injectable:
+        kr.problems.append(
+            "could not inject the handler failure: no IdempotencyMiddleware found in the app (pass "
+            "middleware=..., or leave app_fails_before_effect out of faults=)"
+        )
+    run.failing.add(key)
+    before = await run.count(key)
+    await _sequential(run, kr, "failing", 1)
+    run.failing.discard(key)
+    await _sequential(run, kr, "retry", max(repeats, 1))
+    _judge(run, kr)
+    _executions(kr, before, await run.count(key))
+    failing, retry = kr.answers[0], kr.answers[1]
+    if run.injectable and failing.kind == "failed" and retry.kind not in ("run", "failed", "middleware-error"):
+        kr.problems.append(
+            f"the retry after a failure before any effect got {retry.label}: the key must be released so the "
+            "retry runs (a layer that keeps it answers 409 for as long as the record lives)"
+        )
+    if retry.kind == "run":
+        _unexpected(kr, "retry", lambda a: a is retry or _stored(a), "the retry's answer, then replays of it")
     return kr
 
 

@@ -330,11 +330,12 @@ async def test_unreachable_store_exits_3_quickly(scheme: str, capsys: pytest.Cap
 
 
 @pytest.mark.postgres
-async def test_postgres_missing_table_is_a_store_error_not_created(capsys: pytest.CaptureFixture[str]) -> None:
+async def test_postgres_missing_table_is_a_configuration_error_not_created(capsys: pytest.CaptureFixture[str]) -> None:
     require("postgres", POSTGRES_DSN)
     table = f"idem_cli_missing_{uuid.uuid4().hex[:12]}"
     code, out, err = await cli(capsys, "--backend", POSTGRES_DSN, "--table", table, "stale")
-    assert code == 4 and out == "" and err.startswith("idem-asgi: error: store error: ") and err.count("\n") == 1
+    assert code == 2 and out == "" and err.startswith("idem-asgi: error: postgres refuses the table")
+    assert "migrate" in err and err.count("\n") == 1
     conn = await asyncpg.connect(POSTGRES_DSN)
     try:
         assert await conn.fetchval("SELECT to_regclass($1)", table) is None

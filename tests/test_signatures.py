@@ -468,7 +468,7 @@ async def test_a_prefix_and_a_segment_pattern_protect_every_path_under_them() ->
 async def test_outside_idempotency_a_forgery_never_reaches_the_store_and_never_blocks_the_genuine_delivery() -> None:
     app = Recorder()
     backend = MemoryBackend()
-    routes = [RoutePolicy(PATH, key=event_id(field="id"), required=True, single_tenant=True)]
+    routes = [RoutePolicy(PATH, methods=["POST"], key=event_id(field="id"), required=True, single_tenant=True)]
     mw = SignatureMiddleware(
         IdempotencyMiddleware(app, backend=backend, routes=routes),
         paths=[PATH],

@@ -16,6 +16,7 @@ from idem_asgi import IdempotencyMiddleware, RoutePolicy
 from idem_asgi._request import Protected
 from idem_asgi._types import ASGIApp, Message, Receive, Scope, Send
 from idem_asgi.backends import MemoryBackend
+from idem_asgi.records import Claimed, RecordKey, StoredResponse
 from idem_asgi.testing import FAULTS, find_middleware, storm
 
 pytest_plugins = ["pytester"]
@@ -174,23 +175,116 @@ async def test_an_exception_from_the_middleware_itself_is_reported(monkeypatch: 
         report.assert_ok()
 
 
-async def test_a_raising_handler_is_the_apps_error_and_its_retries_may_run() -> None:
+async def test_a_handler_failing_before_its_effect_is_the_apps_error_and_its_retries_may_run() -> None:
     from fastapi import FastAPI
 
-    runs = 0
+    attempts = charged = 0
     app = FastAPI()
     app.add_middleware(IdempotencyMiddleware, backend=MemoryBackend(), routes=ROUTES)
 
     @app.post("/payments")
     async def pay() -> None:
-        nonlocal runs
-        runs += 1
-        raise RuntimeError("card network exploded")
+        nonlocal attempts
+        attempts += 1
+        raise RuntimeError("card network refused the connection")  # before any charge
 
-    report = await storm(app, json={}, concurrency=5, repeats=2, probe=lambda: runs)
+    report = await storm(app, json={}, concurrency=5, repeats=2, probe=lambda: charged)
     report.assert_ok()  # released after each failure, so a retry runs again: the contract holds
-    assert all(a.kind in ("failed", "problem", "none") for k in report.keys for a in k.answers)
+    assert attempts > 5 and all(a.kind in ("failed", "problem", "none") for k in report.keys for a in k.answers)
     assert "the app itself failed" in report["storm"].explain()
+
+
+def charging_then_500(*, mark: bool) -> tuple[Any, Counter[str]]:
+    """A FastAPI endpoint that charges, then answers 500 (its ledger write failed), optionally marking the effect."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
+
+    charges: Counter[str] = Counter()
+    app = FastAPI()
+    app.add_middleware(IdempotencyMiddleware, backend=MemoryBackend(), routes=ROUTES)
+
+    @app.post("/payments")
+    async def pay(request: Request) -> JSONResponse:
+        charges[request.headers["idempotency-key"]] += 1
+        if mark:
+            request.state.idempotency.mark_effect()
+        return JSONResponse({"error": "ledger unavailable"}, status_code=500)
+
+    return app, charges
+
+
+async def test_an_app_that_charges_and_then_answers_500_fails_the_storm() -> None:
+    app, charges = charging_then_500(mark=False)
+    report = await storm(app, json={"amount": 1}, key="c500", probe=charges)
+    assert not report.ok
+    assert max(charges.values()) > 1  # the middleware released after each 500: the retries charged again
+    message = str(report)
+    assert "handler ran 6 times for one key; the contract allows 1" in message
+    assert "mark_effect()" in message
+    marked, marked_charges = charging_then_500(mark=True)
+    fixed = await storm(marked, json={"amount": 1}, key="c500m", probe=marked_charges)
+    fixed.assert_ok()  # the effect is marked: every key charged once, the rest is outcome-unknown
+    assert set(marked_charges.values()) == {1}
+    assert "409 outcome-unknown" in fixed["storm"].answer_summary()
+
+
+class UnlocksBeforeStoring(MemoryBackend):
+    """A store whose completion frees the key first and writes the answer one round trip later."""
+
+    async def complete(self, key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
+        if not await self.release(key, token):
+            return False
+        await asyncio.sleep(0.02)  # writing the answer takes a round trip: the key is free meanwhile
+        claimed = await self.claim(key, b"", lease=1, ttl=ttl)
+        return isinstance(claimed, Claimed) and await super().complete(key, claimed.token, response, ttl=ttl)
+
+
+class NeverReleases(MemoryBackend):
+    """A store whose release says yes and keeps the claim (409 forever after any failure)."""
+
+    async def release(self, key: RecordKey, token: int) -> bool:
+        return True
+
+
+async def test_a_store_that_unlocks_before_the_answer_is_stored_fails_the_storm() -> None:
+    charges: Counter[str] = Counter()
+    app = payments_app(charges, middleware=IdempotencyMiddleware, backend=UnlocksBeforeStoring(), routes=ROUTES)
+    report = await storm(app, json={"amount": 1}, key="unl", probe=charges)
+    assert not report.ok
+    during = report["retry_during_write"]
+    assert during.executions > 1 and not during.ok
+    assert "the key stays held until its answer is stored" in during.explain()
+
+
+async def test_a_store_that_never_releases_after_a_failure_fails_the_storm() -> None:
+    charges: Counter[str] = Counter()
+    app = payments_app(charges, middleware=IdempotencyMiddleware, backend=NeverReleases(), routes=ROUTES)
+    report = await storm(app, json={"amount": 1}, key="nrl", probe=charges)
+    assert not report.ok
+    failing = report["app_fails_before_effect"]
+    assert "the key must be released so the retry runs" in failing.explain()
+    assert failing.answers[1].label == "409 request-in-progress"
+
+
+async def test_a_layer_that_frees_the_key_when_the_client_is_gone_fails_response_lost() -> None:
+    charges: Counter[str] = Counter()
+    app = payments_app(charges, middleware=CheckThenSet, atomic=True)  # an exception from send skips its SET
+    report = await storm(app, json={"amount": 1}, key="lost", faults=("response_lost",), probe=charges)
+    lost = report["response_lost"]
+    assert not lost.ok and lost.executions == 2
+    assert lost.answers[0].label == "raised OSError (lost)"
+
+
+async def test_a_per_process_store_fails_the_storm_at_several_workers() -> None:
+    charges: Counter[str] = Counter()
+    app = payments_app(charges)
+    one = await storm(app, json={"amount": 1}, faults=(), probe=charges)
+    one.assert_ok()
+    assert any("MemoryBackend" in h for h in one.hints)
+    several = await storm(app, json={"amount": 1}, faults=(), probe=charges, workers=4)
+    assert not several.ok and "at 4 workers a retry that reaches another worker runs again" in str(several)
+    with pytest.raises(AssertionError, match="MemoryBackend"):
+        several.assert_ok()
 
 
 async def test_store_failure_injected_through_backend_when_middleware_is_hidden() -> None:
@@ -307,6 +401,7 @@ from fastapi import FastAPI, Request
 
 from idem_asgi import IdempotencyMiddleware, RoutePolicy
 from idem_asgi.backends import MemoryBackend
+from idem_asgi.records import Claimed, RecordKey, StoredResponse
 
 charges = Counter()
 

@@ -1,8 +1,8 @@
 """`python -m examples.payments`: serve the payments example, or run its scripted selftest.
 
-    python -m examples.payments                                  # uvicorn on 127.0.0.1:8000, memory store
-    python -m examples.payments --backend redis://127.0.0.1:6379/0
-    python -m examples.payments --selftest                       # in-process scenario, prints what happened
+python -m examples.payments                                  # uvicorn on 127.0.0.1:8000, memory store
+python -m examples.payments --backend redis://127.0.0.1:6379/0
+python -m examples.payments --selftest                       # in-process scenario, prints what happened
 """
 
 from __future__ import annotations

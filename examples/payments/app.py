@@ -9,11 +9,14 @@
 
 Three layers keep money from moving twice:
 1. the middleware: a retried request (same key) runs once; every repeat gets the first answer;
-2. the provider call: the service forwards the key (with the order id) as the provider's own
-   idempotency key. A provider timeout answers 504, which releases the claim so the client's retry
-   runs again; the provider, seeing the same key, returns the charge it already made;
-3. the order: one lock per order and a state machine (`orders.py`), so two *different* keys
-   (two browser tabs) cannot both pay one order.
+2. the provider call: the service forwards the order's reference for this payment attempt
+   (`pay:<order>:<attempt>`) as the provider's idempotency key, and marks the effect
+   (`mark_effect()`) once the provider answered, so a failure after that is never run again;
+3. the order: one lock per order and a state machine (`orders.py`). Before the provider is called
+   the order is `paying`; a provider timeout leaves it so (504, which releases the claim). Anything
+   that finds it `paying` (the client's retry, a second tab with another key, a cancel) first asks
+   the provider by that reference: the charge that landed is applied, never made again, and the
+   money is never stranded by a cancel. The webhook resolves it too.
 
 Orders live in process memory (`OrderStore`): swap it for your database, and the per-order lock
 for a row lock (`SELECT ... FOR UPDATE`) or a conditional `UPDATE ... WHERE state = 'pending'`.
@@ -39,12 +42,14 @@ from pydantic import BaseModel, Field, ValidationError
 from idem_asgi import (
     IdempotencyInfo,
     IdempotencyMiddleware,
-    RawBody,
     RoutePolicy,
+    SignatureMiddleware,
     add_openapi,
     backend_from_url,
     scope_from_header,
 )
+from idem_asgi.policy import TRANSIENT_STATUSES
+from idem_asgi.signatures import Headers, SignatureInvalid, SignatureMalformed
 
 from .orders import (
     Order,
@@ -53,10 +58,14 @@ from .orders import (
     can_transition,
     mark_cancelled,
     mark_failed,
+    mark_not_charged,
     mark_paid,
+    payment_key,
+    start_payment,
 )
 from .provider import (
     DEMO_WEBHOOK_SECRET,
+    Charge,
     HonestProvider,
     Provider,
     ProviderError,
@@ -93,13 +102,33 @@ def policies() -> list[RoutePolicy]:
             required=True,
             single_tenant=True,  # event ids are the provider's, not a merchant's
             ttl=timedelta(days=7),  # longer than the provider's redelivery window (often 3 days)
-            # A forged signature (401) or an event about an order we do not know yet (404) must not be
-            # stored: the genuine delivery, or a later redelivery, has to run.
-            release_statuses=frozenset({401, 404, *range(500, 600)}),
-            # The same id and body with another signature is another request (422), never a replay.
-            fingerprint=RawBody(headers=["webhook-signature"]),
+            # An event about an order we do not know yet (404) must not be stored: a later redelivery
+            # has to run. (A forged delivery never gets here: ProviderScheme refuses it first.)
+            release_statuses=TRANSIENT_STATUSES | {404},
+            # The fingerprint is the body alone (the default): a redelivery may come re-signed, and must
+            # still be a replay, never a 422.
         ),
     ]
+
+
+class ProviderScheme:
+    """The provider's webhook signature, `sha256=<hex>` over `<webhook id>.<body>`, for `SignatureMiddleware`.
+
+    It signs the event id as well as the body, so the id (the idempotency key of the webhook route)
+    cannot be swapped on a captured delivery.
+    """
+
+    signed_headers = frozenset({"webhook-id"})
+
+    def verify(self, headers: Headers, body: bytes, secrets: Sequence[bytes]) -> None:
+        """Raise SignatureMalformed or SignatureInvalid unless one secret signed id and body."""
+        found = dict(headers)
+        webhook_id, signature = found.get(b"webhook-id"), found.get(b"webhook-signature")
+        if not webhook_id or not signature:
+            raise SignatureMalformed("Webhook-Id and Webhook-Signature are required.")
+        expected = [webhook_signature(s.decode(), webhook_id.decode("latin-1"), body).encode() for s in secrets]
+        if not any(hmac.compare_digest(signature, e) for e in expected):
+            raise SignatureInvalid("The webhook signature does not match.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,7 +224,7 @@ def create_app(
     provider: Provider | None = None,
     *,
     routes: Sequence[RoutePolicy] | None = None,
-    webhook_secret: str = DEMO_WEBHOOK_SECRET,
+    webhook_secret: str | Sequence[str] = DEMO_WEBHOOK_SECRET,
 ) -> FastAPI:
     """The payments service.
 
@@ -203,7 +232,7 @@ def create_app(
         backend_url: The idempotency store: `memory://`, `redis://...` or `postgresql://...`.
         provider: The card provider; defaults to an `HonestProvider`.
         routes: The protected routes; defaults to `policies()`. Pass fewer to see what breaks.
-        webhook_secret: The secret the provider signs webhooks with.
+        webhook_secret: The secret the provider signs webhooks with (several during a rotation).
     """
     provider = provider if provider is not None else HonestProvider()
     store = OrderStore()
@@ -222,9 +251,11 @@ def create_app(
     app.add_middleware(
         IdempotencyMiddleware,
         backend=backend,
-        routes=list(policies() if routes is None else routes),
-        strict=True,  # refuse to start if a protected route forgot its scope
+        routes=list(policies() if routes is None else routes),  # strict: a route without a scope refuses to start
     )
+    # Added last, so it runs first: a forged delivery is refused (401) before it reaches the store.
+    secrets = [webhook_secret] if isinstance(webhook_secret, str) else list(webhook_secret)
+    app.add_middleware(SignatureMiddleware, paths=[WEBHOOK_PATH], scheme=ProviderScheme(), secrets=secrets)
 
     @app.post("/orders", status_code=201)
     async def create_order(new: NewOrder, merchant: Merchant) -> JSONResponse:
@@ -239,41 +270,55 @@ def create_app(
             return problem(404, "order-not-found", f"No order {order_id!r}.")
         return JSONResponse(order.as_json())
 
+    async def ask_provider(order: Order) -> Order:
+        """The order `paying`: ask the provider about that attempt, and apply what it says."""
+        found = await provider.find_charge(idempotency_key=payment_key(order))  # may raise ProviderTimeout
+        order = mark_not_charged(order) if found is None else settle(order, found)
+        store.put(order)
+        return order
+
     @app.post(PAY_PATH)
     async def pay(order_id: str, payment: Payment, merchant: Merchant, info: Idempotency) -> JSONResponse:
         async with store.lock(order_id):  # two different keys (two tabs) for one order: one at a time
             order = store.get(order_id, merchant)
             if order is None:
                 return problem(404, "order-not-found", f"No order {order_id!r}.")
-            if not can_transition(order.state, OrderState.PAID):
-                return problem(409, "order-not-payable", f"The order is {order.state.value}; it cannot be paid.")
             if payment.amount != order.amount:
                 return problem(400, "amount-mismatch", f"The order is for {order.amount}, not {payment.amount}.")
+            if order.state is OrderState.PAYING:
+                # An earlier attempt (this key or another tab's) got no answer: ask before charging again.
+                try:
+                    order = await ask_provider(order)
+                except ProviderTimeout:
+                    return problem(503, "payment-in-flight", "The provider has not answered yet; retry shortly.")
+                if order.state is not OrderState.PENDING:
+                    return charged(order, None)
+            if not can_transition(order.state, OrderState.PAYING):
+                return problem(409, "order-not-payable", f"The order is {order.state.value}; it cannot be paid.")
+            order = start_payment(order)
+            store.put(order)  # paying: held until the provider's answer is known
             try:
                 charge = await provider.charge(
                     amount=order.amount,
                     currency=order.currency,
                     payment_method=payment.payment_method,
                     reference=order.id,
-                    idempotency_key=provider_key("pay", order.id, info),
+                    idempotency_key=payment_key(order),
                 )
             except ProviderTimeout:
-                # Maybe charged, maybe not. A 5xx releases the middleware's claim, so the client's retry
-                # (same key) runs this again, and the provider, given the same key, returns that charge.
+                # Maybe charged, maybe not: the order stays `paying`. A 5xx releases the middleware's claim,
+                # so the client's retry runs this again and asks the provider by the attempt's key first.
                 return problem(504, "provider-timeout", "The card provider did not answer; retry with the same key.")
             except ProviderError as exc:
+                store.put(mark_not_charged(order))
                 return problem(502, "provider-error", str(exc))
             # Money may have moved: from here on a failure (say, the order write below raising) must
             # not release the claim for a retry to charge again; the record ends outcome-unknown.
             if info is not None:
                 info.mark_effect()
-            if charge.status == "succeeded":
-                order = mark_paid(order, charge.id)
-            else:
-                order = mark_failed(order, charge.id, charge.failure_reason or "failed")
+            order = settle(order, charge)
             store.put(order)
-        status = 200 if charge.status == "succeeded" else 402  # a decline is an answer too: stored, replayed
-        return JSONResponse({"order": order.as_json(), "charge": asdict(charge)}, status_code=status)
+        return charged(order, charge)
 
     @app.post("/orders/{order_id}/refunds", status_code=201)
     async def refund(order_id: str, new: NewRefund, merchant: Merchant, info: Idempotency) -> JSONResponse:
@@ -308,6 +353,11 @@ def create_app(
             order = store.get(order_id, merchant)
             if order is None:
                 return problem(404, "order-not-found", f"No order {order_id!r}.")
+            if order.state is OrderState.PAYING:  # a charge may have landed: never cancel over the money
+                try:
+                    order = await ask_provider(order)
+                except ProviderTimeout:
+                    return problem(503, "payment-in-flight", "The provider has not answered yet; retry shortly.")
             cancelled = mark_cancelled(order)
             if cancelled is order:
                 detail = f"The order is {order.state.value}; it cannot be cancelled."
@@ -317,12 +367,8 @@ def create_app(
 
     @app.post(WEBHOOK_PATH)
     async def provider_webhook(request: Request) -> JSONResponse:
-        # Webhook-Id is read here, not declared as a parameter: add_openapi documents it already.
+        # Signed (SignatureMiddleware) and claimed by its Webhook-Id (IdempotencyMiddleware) already.
         body = await request.body()
-        webhook_id = request.headers.get("webhook-id", "")
-        expected = webhook_signature(webhook_secret, webhook_id, body)
-        if not hmac.compare_digest(expected, request.headers.get("webhook-signature", "")):
-            return problem(401, "bad-signature", "The webhook signature does not match.")
         try:
             event = WebhookEvent.model_validate_json(body)
         except ValidationError as exc:
@@ -344,6 +390,22 @@ def create_app(
 
     add_openapi(app)
     return app
+
+
+def settle(order: Order, charge: Charge) -> Order:
+    """The order after the provider's answer about a charge (succeeded or declined)."""
+    if charge.status == "succeeded":
+        return mark_paid(order, charge.id)
+    return mark_failed(order, charge.id, charge.failure_reason or "failed")
+
+
+def charged(order: Order, charge: Charge | None) -> JSONResponse:
+    """The answer to a payment: 200 paid, 402 declined (an answer too: stored and replayed)."""
+    status = 402 if order.state is OrderState.FAILED else 200
+    charge_json = None if charge is None else asdict(charge)
+    if charge is None and order.charge_id is not None:
+        charge_json = {"id": order.charge_id, "status": "succeeded"}
+    return JSONResponse({"order": order.as_json(), "charge": charge_json}, status_code=status)
 
 
 def apply_event(order: Order, event: WebhookEvent) -> Order:

@@ -1,7 +1,9 @@
 """The order state machine: a transition table, and pure functions that move an order along it.
 
-    pending ──> paid | failed | cancelled
-    failed ──> paid                       (a new payment attempt, with a new key, succeeded)
+    pending ──> paying | paid | failed | cancelled
+    paying ──> paid | failed | pending    (payment in flight: held until the provider answers, or is
+                                           asked by the attempt's key and knows nothing of it)
+    failed ──> paying | paid | cancelled  (a new payment attempt)
     paid ──> refunded | partially_refunded
     partially_refunded ──> partially_refunded | refunded
     refunded, cancelled: final
@@ -27,6 +29,9 @@ class OrderState(str, Enum):
     """Where an order is in its life."""
 
     PENDING = "pending"
+    PAYING = "paying"
+    """A charge was sent and its outcome is not known yet (the provider timed out): no other payment
+    and no cancel until the provider is asked about this attempt."""
     PAID = "paid"
     FAILED = "failed"
     CANCELLED = "cancelled"
@@ -37,8 +42,9 @@ class OrderState(str, Enum):
 S = OrderState
 TRANSITIONS: Final[Mapping[OrderState, frozenset[OrderState]]] = MappingProxyType(
     {
-        S.PENDING: frozenset({S.PAID, S.FAILED, S.CANCELLED}),
-        S.FAILED: frozenset({S.PAID}),
+        S.PENDING: frozenset({S.PAYING, S.PAID, S.FAILED, S.CANCELLED}),
+        S.PAYING: frozenset({S.PAID, S.FAILED, S.PENDING}),
+        S.FAILED: frozenset({S.PAYING, S.PAID, S.CANCELLED}),
         S.PAID: frozenset({S.REFUNDED, S.PARTIALLY_REFUNDED}),
         S.PARTIALLY_REFUNDED: frozenset({S.PARTIALLY_REFUNDED, S.REFUNDED}),
         S.REFUNDED: frozenset(),
@@ -61,6 +67,9 @@ class Order:
     """The charge that paid the order."""
     attempts: tuple[str, ...] = ()
     """Every charge applied to the order, declined ones included (so a webhook can tell it was seen)."""
+    attempt: int = 0
+    """The current payment attempt (1, 2, ...): the provider's idempotency key is `pay:<order>:<attempt>`,
+    so every tab and every retry of one attempt is one charge at the provider."""
     refunded: int = 0
     refund_ids: tuple[str, ...] = ()
     history: tuple[str, ...] = ()
@@ -82,6 +91,7 @@ class Order:
             "state": self.state.value,
             "charge_id": self.charge_id,
             "attempts": list(self.attempts),
+            "attempt": self.attempt,
             "refunded": self.refunded,
             "refund_ids": list(self.refund_ids),
             "history": list(self.history),
@@ -102,6 +112,22 @@ def transition(order: Order, target: OrderState, reason: str) -> Order:
         return order
     line = f"{order.state.value} -> {target.value} ({reason})"
     return replace(order, state=target, history=(*order.history, line))
+
+
+def payment_key(order: Order) -> str:
+    """The provider's idempotency key for the order's current payment attempt (the order's reference)."""
+    return f"pay:{order.id}:{order.attempt}"
+
+
+def start_payment(order: Order) -> Order:
+    """A new payment attempt begins: the order is `paying` until the provider's answer is known."""
+    moved = transition(order, OrderState.PAYING, f"attempt {order.attempt + 1}")
+    return order if moved is order else replace(moved, attempt=order.attempt + 1)
+
+
+def mark_not_charged(order: Order) -> Order:
+    """The provider, asked about the attempt in flight, has no charge for it: the order is payable again."""
+    return transition(order, OrderState.PENDING, f"attempt {order.attempt} never reached the provider")
 
 
 def mark_paid(order: Order, charge_id: str) -> Order:

@@ -92,6 +92,8 @@ class Provider(Protocol):
 
     async def refund(self, *, charge_id: str, amount: int, reference: str, idempotency_key: str | None) -> Refund: ...
 
+    async def find_charge(self, *, idempotency_key: str) -> Charge | None: ...
+
 
 class FakeProvider:
     """The part both fakes share: the ledgers, the latency, lost answers and webhook deliveries."""
@@ -105,6 +107,8 @@ class FakeProvider:
         """Every refund the provider really made."""
         self.lose_next_responses = 0
         """Do the next N calls' work, then raise `ProviderTimeout` instead of answering."""
+        self.drop_next_requests = 0
+        """Raise `ProviderTimeout` for the next N charges without doing anything (the request never arrived)."""
 
     async def charge(
         self, *, amount: int, currency: str, payment_method: str, reference: str, idempotency_key: str | None
@@ -115,6 +119,18 @@ class FakeProvider:
     async def refund(self, *, charge_id: str, amount: int, reference: str, idempotency_key: str | None) -> Refund:
         """Refund part or all of a succeeded charge."""
         raise NotImplementedError
+
+    async def find_charge(self, *, idempotency_key: str) -> Charge | None:
+        """The charge made under this idempotency key, if any (how a service asks about a timed-out call)."""
+        await self._network()
+        self._answer()
+        return next((c for c in reversed(self.ledger) if c.idempotency_key == idempotency_key), None)
+
+    def _arrived(self) -> None:
+        """Called before the work: maybe the request never reached the provider."""
+        if self.drop_next_requests > 0:
+            self.drop_next_requests -= 1
+            raise ProviderTimeout("the provider did not answer in time (the request never arrived)")
 
     @property
     def succeeded(self) -> list[Charge]:
@@ -133,6 +149,7 @@ class FakeProvider:
     async def _make_charge(
         self, amount: int, currency: str, payment_method: str, reference: str, key: str | None
     ) -> Charge:
+        self._arrived()
         await self._network()
         declined = payment_method == DECLINED_CARD
         charge = Charge(

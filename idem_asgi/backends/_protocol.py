@@ -29,8 +29,12 @@ class Backend(Protocol):
 
     async def takeover(
         self, key: RecordKey, stale_token: int, fingerprint: bytes, *, lease: float, ttl: float
-    ) -> ClaimResult:
-        """Claim a record whose lease expired, only if it still carries `stale_token`."""
+    ) -> ClaimResult | None:
+        """Claim a record whose lease expired, only if it still carries `stale_token`.
+
+        None when the record is gone (released, or past its TTL): a takeover never creates one, so
+        recovery can never resurrect a claim that ended meanwhile.
+        """
         ...
 
     async def complete(self, key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:

@@ -160,21 +160,19 @@ class MemoryBackend(ClosingMixin):
                 return Existing(rec, now)
             self._admit(key, now)
             token = new_token()
-            self._insert(key, Record(IN_PROGRESS, fingerprint, token, now + lease, now + ttl))
+            self._insert(key, Record(IN_PROGRESS, fingerprint, token, now + lease, now + ttl, ttl=ttl))
             return Claimed(token)
 
     async def takeover(
         self, key: RecordKey, stale_token: int, fingerprint: bytes, *, lease: float, ttl: float
-    ) -> ClaimResult:
+    ) -> ClaimResult | None:
         with self._lock:
             now = self._clock()
             rec = self._live(key.digest, now)
-            token = new_token()
-            fresh = Record(IN_PROGRESS, fingerprint, token, now + lease, now + ttl)
             if rec is None:
-                self._admit(key, now)
-                self._insert(key, fresh)
-                return Claimed(token)
+                return None  # gone: nothing to take over, and nothing is created
+            token = new_token()
+            fresh = Record(IN_PROGRESS, fingerprint, token, now + lease, now + ttl, ttl=ttl)
             if rec.state != IN_PROGRESS or rec.effect_committed or rec.token != stale_token or rec.lease_until > now:
                 return Existing(rec, now)
             self._set(key.digest, fresh)
@@ -195,7 +193,7 @@ class MemoryBackend(ClosingMixin):
             if not self._fits(key, response):
                 # Over the byte budget: keep the outcome (never run it twice), not the bytes.
                 response = StoredResponse(response.status, [], b"", replayable=False)
-            self._set(key.digest, Record(COMPLETED, rec.fingerprint, token, now, now + ttl, response))
+            self._set(key.digest, Record(COMPLETED, rec.fingerprint, token, now, now + ttl, response, ttl=rec.ttl))
             return True
 
     async def release(self, key: RecordKey, token: int) -> bool:
@@ -223,6 +221,7 @@ class MemoryBackend(ClosingMixin):
                     max(rec.expires_at, deadline),  # a holder running past its TTL keeps its key
                     checkpoint=rec.checkpoint,
                     effect_committed=rec.effect_committed,
+                    ttl=rec.ttl,
                 ),
             )
             return True
@@ -244,6 +243,7 @@ class MemoryBackend(ClosingMixin):
                     checkpoint=rec.checkpoint,
                     effect_committed=rec.effect_committed,
                     holder_failed=True,
+                    ttl=rec.ttl,
                 ),
             )
             return True

@@ -16,6 +16,7 @@ import hashlib
 import logging
 import re
 from collections.abc import AsyncIterator
+from contextvars import ContextVar
 from time import monotonic
 from typing import Any, Final, Literal
 
@@ -58,10 +59,12 @@ CREATE TABLE IF NOT EXISTS {table} (
     replayable  boolean,
     checkpoint  text,                            -- the last step the handler recorded (checkpoint())
     trailers    bytea,                           -- msgpack list of HTTP trailer pairs, NULL when none
+    ttl         float8,                          -- seconds the record was claimed for (reconcile keeps that)
     PRIMARY KEY (namespace, scope, key)
 );
 ALTER TABLE {table} ADD COLUMN IF NOT EXISTS checkpoint text;
 ALTER TABLE {table} ADD COLUMN IF NOT EXISTS trailers bytea;
+ALTER TABLE {table} ADD COLUMN IF NOT EXISTS ttl float8;
 CREATE INDEX IF NOT EXISTS {expires_index} ON {table} (expires_at);
 CREATE INDEX IF NOT EXISTS {inflight_index} ON {table} (lease_until) WHERE state <> 'c';
 """
@@ -69,7 +72,7 @@ CREATE INDEX IF NOT EXISTS {inflight_index} ON {table} (lease_until) WHERE state
 _COLUMNS: Final = (
     "state, fingerprint, token, extract(epoch from lease_until)::float8 AS lease_until, "
     "extract(epoch from expires_at)::float8 AS expires_at, status, headers, body, replayable, "
-    "extract(epoch from now())::float8 AS now, checkpoint, trailers"
+    "extract(epoch from now())::float8 AS now, checkpoint, trailers, ttl"
 )
 
 
@@ -130,6 +133,10 @@ class ClaimLost(BackendError):
     """
 
 
+_open_connection: ContextVar[Any] = ContextVar("idem_asgi_postgres_transaction", default=None)
+"""The connection of the `transaction()` block open in this task, for blocks nested in it."""
+
+
 def _holds(backend: Any, target: PostgresBackend) -> bool:
     """Whether `backend` is `target`, or a wrapper around it (`.wrapped`, as the testing plugin makes)."""
     for _ in range(8):
@@ -181,35 +188,58 @@ class PostgresBackend(ClosingMixin):
         # that committed after our snapshot (ON CONFLICT DO NOTHING waits for it, then does
         # nothing, and the row is invisible to `cur`), or a free row another claimer or purge
         # changed first. The caller then runs it again with a fresh snapshot.
-        free = (
-            "(r.expires_at <= now() OR (r.state IN ('p', 'u') AND r.token IS NOT DISTINCT FROM $8"
-            " AND r.lease_until <= now()))"
-        )
+        free = "(r.expires_at <= now())"  # a claim takes over only a row past its TTL
+        reset = """
+        state = 'p', fingerprint = $4, token = $5, created_at = now(), ttl = $7::float8,
+        lease_until = now() + $6::float8 * interval '1 second', expires_at = now() + $7::float8 * interval '1 second',
+        status = NULL, headers = NULL, body = NULL, replayable = NULL, checkpoint = NULL, trailers = NULL"""
         self._sql_claim = f"""
 WITH cur AS (
     SELECT {_COLUMNS}, {free} AS free FROM {t} AS r WHERE namespace = $1 AND scope = $2 AND key = $3
 ), ins AS (
-    INSERT INTO {t} (namespace, scope, key, state, fingerprint, token, lease_until, expires_at)
-    SELECT $1, $2, $3, 'p', $4, $5, now() + $6::float8 * interval '1 second', now() + $7::float8 * interval '1 second'
+    INSERT INTO {t} (namespace, scope, key, state, fingerprint, token, lease_until, expires_at, ttl)
+    SELECT $1, $2, $3, 'p', $4, $5, now() + $6::float8 * interval '1 second', now() + $7::float8 * interval '1 second',
+           $7::float8
     WHERE NOT EXISTS (SELECT 1 FROM cur)
     ON CONFLICT (namespace, scope, key) DO NOTHING
     RETURNING true
 ), upd AS (
-    UPDATE {t} AS r SET
-        state = 'p', fingerprint = $4, token = $5, created_at = now(),
-        lease_until = now() + $6::float8 * interval '1 second', expires_at = now() + $7::float8 * interval '1 second',
-        status = NULL, headers = NULL, body = NULL, replayable = NULL, checkpoint = NULL, trailers = NULL
+    UPDATE {t} AS r SET {reset}
     WHERE namespace = $1 AND scope = $2 AND key = $3 AND EXISTS (SELECT 1 FROM cur WHERE free) AND {free}
     RETURNING true
 )
 SELECT true, NULL::"char", NULL::bytea, NULL::bigint, NULL::float8, NULL::float8,
-       NULL::integer, NULL::bytea, NULL::bytea, NULL::boolean, NULL::float8, NULL::text, NULL::bytea FROM ins
+       NULL::integer, NULL::bytea, NULL::bytea, NULL::boolean, NULL::float8, NULL::text, NULL::bytea, NULL::float8
+FROM ins
 UNION ALL
-SELECT true, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM upd
+SELECT true, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM upd
 UNION ALL
 SELECT false, state, fingerprint, token, lease_until, expires_at, status, headers, body, replayable, now, checkpoint,
-       trailers
+       trailers, ttl
 FROM cur WHERE NOT free
+"""
+        # A takeover: the same update, of a held record whose lease of `$8` ended, never an insert. 'gone'
+        # when no live record exists (released, or past its TTL): recovery must not resurrect it.
+        held_free = "(r.state IN ('p', 'u') AND r.token = $8 AND r.lease_until <= now() AND r.expires_at > now())"
+        self._sql_takeover = f"""
+WITH cur AS (
+    SELECT {_COLUMNS}, {held_free} AS free, r.expires_at > now() AS live
+    FROM {t} AS r WHERE namespace = $1 AND scope = $2 AND key = $3
+), upd AS (
+    UPDATE {t} AS r SET {reset}
+    WHERE namespace = $1 AND scope = $2 AND key = $3 AND EXISTS (SELECT 1 FROM cur WHERE free) AND {held_free}
+    RETURNING true
+)
+SELECT 'taken'::text, NULL::"char", NULL::bytea, NULL::bigint, NULL::float8, NULL::float8,
+       NULL::integer, NULL::bytea, NULL::bytea, NULL::boolean, NULL::float8, NULL::text, NULL::bytea, NULL::float8
+FROM upd
+UNION ALL
+SELECT 'held', state, fingerprint, token, lease_until, expires_at, status, headers, body, replayable, now, checkpoint,
+       trailers, ttl
+FROM cur WHERE live AND NOT free
+UNION ALL
+SELECT 'gone', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+WHERE NOT EXISTS (SELECT 1 FROM cur WHERE live)
 """
         held = "namespace = $1 AND scope = $2 AND key = $3 AND token = $4"
         where = f"{held} AND state IN ('p', 'e')"
@@ -219,7 +249,8 @@ UPDATE {t} SET state = 'c', status = $5, headers = $6, body = $7, replayable = $
 WHERE {where}"""
         # Never release a record whose effect committed ('e'): a retry must not run it again.
         self._sql_release = f"DELETE FROM {t} WHERE {held} AND state = 'p'"
-        self._sql_effect = f"UPDATE {t} SET state = 'e' WHERE {held} AND state = 'p'"
+        # Idempotent: a second transaction() block of the same request marks it again, harmlessly.
+        self._sql_effect = f"UPDATE {t} SET state = 'e' WHERE {held} AND state IN ('p', 'e')"
         self._sql_holder = f"SELECT state FROM {t} WHERE {held}"
         self._sql_checkpoint = f"UPDATE {t} SET checkpoint = $5 WHERE {where}"
         self._sql_completed_by = f"""
@@ -303,7 +334,7 @@ ORDER BY lease_until LIMIT $2"""
     async def _create(self, conn: Any) -> None:
         exists = "SELECT " + " AND ".join(f"to_regclass(${i}) IS NOT NULL" for i in range(1, len(self._relations) + 1))
         # (and the newest column: tables made by earlier releases get it from the DDL's ALTER)
-        exists += " AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'trailers')"
+        exists += " AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'ttl')"
         if await conn.fetchval(exists, *self._relations, timeout=self.timeout):
             return  # nothing to do, and no lock taken on a table that is serving
         # CREATE ... IF NOT EXISTS is not safe against itself: two workers starting together can
@@ -411,11 +442,9 @@ ORDER BY lease_until LIMIT $2"""
             await pool.expire_connections()
         return await self._run(pool, method, sql, *args, deadline=deadline), True
 
-    async def _claim(
-        self, key: RecordKey, fingerprint: bytes, stale: int | None, lease: float, ttl: float, token: int
-    ) -> ClaimResult:
+    async def _claim(self, key: RecordKey, fingerprint: bytes, lease: float, ttl: float, token: int) -> ClaimResult:
         pool = await self._get_pool()
-        args = (key.namespace, key.scope, key.key, fingerprint, token, lease, ttl, stale)
+        args = (key.namespace, key.scope, key.key, fingerprint, token, lease, ttl)
         for _ in range(5):
             row, _retried = await self._run_again(pool, "fetchrow", self._sql_claim, *args)
             if row is None:
@@ -431,7 +460,7 @@ ORDER BY lease_until LIMIT $2"""
     async def claim(self, key: RecordKey, fingerprint: bytes, *, lease: float, ttl: float) -> ClaimResult:
         token = new_token()
         try:
-            return await self._claim(key, fingerprint, None, lease, ttl, token)
+            return await self._claim(key, fingerprint, lease, ttl, token)
         except BaseException:
             # No answer, so the caller answers 503 and never runs the app, yet the INSERT may have
             # committed: without a sweep that ghost claim would block the key (409, then
@@ -441,9 +470,24 @@ ORDER BY lease_until LIMIT $2"""
 
     async def takeover(
         self, key: RecordKey, stale_token: int, fingerprint: bytes, *, lease: float, ttl: float
-    ) -> ClaimResult:
+    ) -> ClaimResult | None:
         # A takeover whose reply is lost is not swept: it may carry an answer the recover hook supplied.
-        return await self._claim(key, fingerprint, stale_token, lease, ttl, new_token())
+        pool = await self._get_pool()
+        token = new_token()
+        args = (key.namespace, key.scope, key.key, fingerprint, token, lease, ttl, stale_token)
+        for _ in range(5):
+            row, _retried = await self._run_again(pool, "fetchrow", self._sql_takeover, *args)
+            if row is None:
+                continue  # the row changed between our snapshot and the update: read again
+            if row[0] == "taken":
+                return Claimed(token)
+            if row[0] == "gone":
+                return None
+            record = _record(row)
+            if record.token == token and record.state == IN_PROGRESS:
+                return Claimed(token)  # our own takeover, committed before its answer was lost
+            return Existing(record, row[10])
+        raise BackendError("takeover found neither the claim nor a record after 5 attempts")
 
     async def complete(self, key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
         pool = await self._get_pool()
@@ -539,7 +583,7 @@ ORDER BY lease_until LIMIT $2"""
         """
         pool = await self._get_pool()
         rows = await self._run(pool, "fetch", self._sql_stale, float(older_than), limit, namespace)
-        return [StaleRecord(RecordKey.build(row[13], row[14], row[15]), _record(row), row[1] == b"e") for row in rows]
+        return [StaleRecord(RecordKey.build(row[14], row[15], row[16]), _record(row), row[1] == b"e") for row in rows]
 
     @contextlib.asynccontextmanager
     async def transaction(self, connection: Any = None) -> AsyncIterator[Any]:
@@ -562,7 +606,18 @@ ORDER BY lease_until LIMIT $2"""
         your own unit of work; the block then becomes a savepoint inside your transaction, and the
         mark commits with your COMMIT). A request that carries no key has no claim: the block is
         then a plain transaction.
+
+        Used more than once in one request, each block commits on its own and each marks the claim
+        (the claim counts as effect-committed from the first COMMIT: a failure between two blocks
+        is never run again, so put what must be all-or-nothing in one block). A block nested in
+        another joins it: it is a savepoint on the same connection, and only the outer block's
+        COMMIT marks the claim. Nested blocks must run in the task of the outer one.
         """
+        outer = _open_connection.get()
+        if connection is None and outer is not None:
+            async with outer.transaction():  # nested: a savepoint of the outer block, which marks
+                yield outer
+            return
         claim = self._live_claim()
         pool = None
         if connection is None:
@@ -571,6 +626,7 @@ ORDER BY lease_until LIMIT $2"""
                 connection = await pool.acquire(timeout=self.timeout)
             except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
                 raise _wrapped(exc, self.table) from exc
+        reset = _open_connection.set(connection)
         try:
             async with connection.transaction():
                 yield connection
@@ -581,10 +637,14 @@ ORDER BY lease_until LIMIT $2"""
                         self._sql_effect, k.namespace, k.scope, k.key, claim.token, timeout=self.timeout
                     )
                     if status != "UPDATE 1":
-                        raise ClaimLost(f"the claim on key {k.key!r} was lost; the transaction is rolled back")
+                        raise ClaimLost(
+                            f"the claim on key {k.key!r} is no longer held by this request (taken over, expired "
+                            "or already completed); the transaction is rolled back"
+                        )
             if claim is not None:
                 claim.mark_effect()  # committed: a failure from now on must not release the claim
         finally:
+            _open_connection.reset(reset)
             if pool is not None:
                 await pool.release(connection)
 
@@ -713,6 +773,7 @@ def _record(row: Any) -> Record:
         row[11],
         effect_committed=state == b"e",
         holder_failed=state == b"u",
+        ttl=row[13],
     )
 
 

@@ -1,15 +1,16 @@
 """Redis store: one Lua script per operation, so a claim-or-read is one atomic round trip.
 
 Layout: one hash per record at `{prefix}{<digest>}` (the digest is the hash tag, so a record
-never spans Redis Cluster slots and client characters never reach the key). Fields:
-`s` state (`p` in progress, `u` in progress whose holder failed mid-answer, `c` completed),
-`f` fingerprint, `t` fencing token, `l` lease
-deadline and `e` expiry (ms, Redis clock), `r` the msgpack-encoded response, and `n`, `o`,
-`k` the record's namespace, scope and key (UTF-8; written at claim and takeover, read only by
-`stale()`, so the ops tools can name a stuck claim; a record written by an idem_asgi version
-without these fields is listed with namespace, scope and key "?"). The key's own
-expiry is the route TTL, so an in-progress record whose holder died stays visible (and
-blocks) after its lease ends, until recovery or the TTL resolves it.
+never spans Redis Cluster slots and client characters never reach the key). Fields: `s` state
+(`p` in progress, `u` in progress whose holder failed mid-answer, `c` completed), `f`
+fingerprint, `t` fencing token, `l` lease deadline and `e` expiry (ms, Redis clock), `r` the
+msgpack-encoded response, `x` the TTL the record was claimed with (ms, so `reconcile` keeps a
+resolved answer as long as the route would), and `n`, `o`, `k` the record's namespace, scope and
+key (UTF-8; written at claim and takeover, read only by `stale()`, so the ops tools can name a
+stuck claim; a record written by an idem_asgi version without these fields is listed with
+namespace, scope and key "?"). The key's own expiry is the route TTL, so an in-progress record
+whose holder died stays visible (and blocks) after its lease ends, until recovery or the TTL
+resolves it.
 
 Scripts are idempotent for their caller's token, so a retried command whose reply was lost
 cannot turn our own claim into a conflict.
@@ -73,12 +74,13 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 CLAIM: Final = (
     _NOW
     + """
-local cur = redis.call('HMGET', KEYS[1], 's', 'f', 't', 'l', 'e', 'r')
+local cur = redis.call('HMGET', KEYS[1], 's', 'f', 't', 'l', 'e', 'r', 'x')
 if cur[1] and cur[3] ~= ARGV[2] then
-  return {0, now, cur[1], cur[2], cur[3], cur[4], cur[5], cur[6]}
+  return {0, now, cur[1], cur[2], cur[3], cur[4], cur[5], cur[6], cur[7]}
 end
 if not cur[1] then
-  redis.call('HSET', KEYS[1], 's', 'p', 'f', ARGV[1], 't', ARGV[2], 'l', now + ARGV[3], 'e', now + ARGV[4])
+  redis.call('HSET', KEYS[1], 's', 'p', 'f', ARGV[1], 't', ARGV[2], 'l', now + ARGV[3], 'e', now + ARGV[4],
+    'x', ARGV[4])
   if ARGV[7] then redis.call('HSET', KEYS[1], 'n', ARGV[5], 'o', ARGV[6], 'k', ARGV[7]) end
   redis.call('PEXPIRE', KEYS[1], ARGV[4])
 end
@@ -90,13 +92,14 @@ return {1, now}
 TAKEOVER: Final = (
     _NOW
     + """
-local cur = redis.call('HMGET', KEYS[1], 's', 'f', 't', 'l', 'e', 'r')
+local cur = redis.call('HMGET', KEYS[1], 's', 'f', 't', 'l', 'e', 'r', 'x')
 if cur[3] == ARGV[3] then return {1, now} end
-if cur[1] and not ((cur[1] == 'p' or cur[1] == 'u') and cur[3] == ARGV[1] and tonumber(cur[4]) <= now) then
-  return {0, now, cur[1], cur[2], cur[3], cur[4], cur[5], cur[6]}
+if not cur[1] then return {2, now} end
+if not ((cur[1] == 'p' or cur[1] == 'u') and cur[3] == ARGV[1] and tonumber(cur[4]) <= now) then
+  return {0, now, cur[1], cur[2], cur[3], cur[4], cur[5], cur[6], cur[7]}
 end
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 's', 'p', 'f', ARGV[2], 't', ARGV[3], 'l', now + ARGV[4], 'e', now + ARGV[5])
+redis.call('HSET', KEYS[1], 's', 'p', 'f', ARGV[2], 't', ARGV[3], 'l', now + ARGV[4], 'e', now + ARGV[5], 'x', ARGV[5])
 if ARGV[8] then redis.call('HSET', KEYS[1], 'n', ARGV[6], 'o', ARGV[7], 'k', ARGV[8]) end
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
 return {1, now}
@@ -165,14 +168,14 @@ return 1
 READ: Final = (
     _NOW
     + """
-local cur = redis.call('HMGET', KEYS[1], 's', 'f', 't', 'l', 'e', 'r')
+local cur = redis.call('HMGET', KEYS[1], 's', 'f', 't', 'l', 'e', 'r', 'x')
 if not cur[1] then return {0, now} end
-return {1, now, cur[1], cur[2], cur[3], cur[4], cur[5], cur[6]}
+return {1, now, cur[1], cur[2], cur[3], cur[4], cur[5], cur[6], cur[7]}
 """
 )
 
 
-_STALE_FIELDS: Final = ("s", "f", "t", "l", "e", "n", "o", "k")
+_STALE_FIELDS: Final = ("s", "f", "t", "l", "e", "n", "o", "k", "x")
 _DIGEST: Final = re.compile(rb"[0-9a-f]{64}")
 
 
@@ -210,7 +213,7 @@ def _glob_escape(text: str) -> str:
 
 
 def _record(reply: list[Any]) -> Record:
-    _, _, state, fingerprint, token, lease_until, expires_at, blob = reply
+    _, _, state, fingerprint, token, lease_until, expires_at, blob, ttl = reply
     return Record(
         COMPLETED if state == b"c" else IN_PROGRESS,
         fingerprint,
@@ -219,6 +222,7 @@ def _record(reply: list[Any]) -> Record:
         int(expires_at) / 1000,
         decode_response(blob) if blob else None,
         holder_failed=state == b"u",
+        ttl=None if ttl is None else int(ttl) / 1000,
     )
 
 
@@ -425,7 +429,7 @@ class RedisBackend(ClosingMixin):
 
     async def takeover(
         self, key: RecordKey, stale_token: int, fingerprint: bytes, *, lease: float, ttl: float
-    ) -> ClaimResult:
+    ) -> ClaimResult | None:
         # A takeover whose reply is lost is *not* swept: it may carry a recovered answer
         # (recover hook), and deleting it would let a retry run the operation again. It
         # expires into outcome-unknown, and recovery is asked again.
@@ -435,6 +439,8 @@ class RedisBackend(ClosingMixin):
         )
         if reply[0] == 1:
             return Claimed(token)
+        if reply[0] == 2:
+            return None  # gone (released, completed and expired, or past its TTL): nothing to take over
         return Existing(_record(reply), reply[1] / 1000)
 
     async def complete(self, key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
@@ -530,7 +536,7 @@ class RedisBackend(ClosingMixin):
         now_ms = int(seconds) * 1000 + int(micros) // 1000
         cutoff_ms = now_ms - older_than * 1000
         found = []
-        for name, (state, fingerprint, token, lease_until, expires_at, ns, scope, key) in zip(
+        for name, (state, fingerprint, token, lease_until, expires_at, ns, scope, key, ttl) in zip(
             names, replies[1:], strict=True
         ):
             if state not in (b"p", b"u") or token is None or lease_until is None or expires_at is None:
@@ -548,6 +554,7 @@ class RedisBackend(ClosingMixin):
                 int(lease_until) / 1000,
                 int(expires_at) / 1000,
                 holder_failed=state == b"u",
+                ttl=None if ttl is None else int(ttl) / 1000,
             )
             found.append(StaleRecord(rkey, record))
         return found
