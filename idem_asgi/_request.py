@@ -22,8 +22,8 @@ from ._decide import Action, decide
 from ._logging import once, redact, store_failed, throttled
 from ._types import Receive, Scope, Send
 from .context import STATE_KEY, IdempotencyInfo, _current
-from .errors import BackendMisconfigured, InvalidScope, StoreFull
-from .keys import ANONYMOUS_SCOPE, MalformedKey, parse_key, route_key, stored_scope
+from .errors import BackendMisconfigured, InvalidScope, MalformedKey, StoreFull
+from .keys import ANONYMOUS_SCOPE, parse_key, route_key, stored_scope
 from .observe import EventName
 from .records import Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
 from .routing import Route, route_path

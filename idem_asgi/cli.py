@@ -29,8 +29,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
+from .backends import backend_class
 from .backends._protocol import Backend
-from .backends.memory import MemoryBackend
 from .errors import BackendError, BackendMisconfigured, BackendUnavailable, ConfigurationError, InvalidScope
 from .keys import ANONYMOUS_SCOPE, stored_scope
 from .reconcile import ReconcilableBackend, ReconcileReport, Resolver, reconcile
@@ -41,16 +41,6 @@ __all__ = ["main", "run"]
 ENV_URL = "IDEM_BACKEND_URL"
 PROG = "idem-asgi"
 
-_REDIS = ("redis", "rediss", "unix")
-_POSTGRES = ("postgres", "postgresql")
-
-
-class CliError(Exception):
-    """A failure reported as one line on stderr with its exit code."""
-
-    def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 # --- arguments -------------------------------------------------------------------------------
@@ -153,8 +143,6 @@ async def run(argv: Sequence[str] | None = None) -> int:
         log.setLevel(logging.INFO)
     try:
         return await _COMMANDS[args.command](args)
-    except CliError as exc:
-        return _fail(str(exc), exc.code)
     except (ConfigurationError, BackendMisconfigured) as exc:  # credentials, rights, schema: fix the setup
         return _fail(str(exc), 2)
     except BackendUnavailable as exc:
@@ -192,83 +180,42 @@ class _OneLine(logging.Formatter):
 def _url(args: argparse.Namespace) -> str:
     url: str | None = args.backend or os.environ.get(ENV_URL)
     if not url:
-        raise CliError(f"no backend: pass --backend URL or set {ENV_URL}", 2)
+        raise ConfigurationError(f"no backend: pass --backend URL or set {ENV_URL}")
     return url
 
 
-def _scheme(url: str) -> str:
-    scheme, sep, _ = url.partition("://")
-    scheme = scheme.lower() if sep else ""
-    if scheme not in ("memory", *_REDIS, *_POSTGRES):
-        shown = repr(scheme) if scheme else "none"
-        raise CliError(
-            f"unknown backend URL scheme {shown}; use memory://, redis://, rediss://, unix:// or postgresql://", 2
-        )
-    return scheme
-
-
 @contextlib.asynccontextmanager
-async def _open(args: argparse.Namespace) -> AsyncIterator[Any]:
-    """The backend named by the URL, closed (with whatever it opened) on the way out.
+async def _open(args: argparse.Namespace, *, create_table: bool = False) -> AsyncIterator[Any]:
+    """The store named by the URL, through the one scheme table (`backends.SCHEMES`), closed on the way out.
 
-    A Postgres backend gets a small pool made here, so that no command but `migrate` creates
-    the table as a side effect.
+    A Postgres store gets a small pool and never creates its table as a side effect (only `migrate`
+    does), so a missing table is reported as the configuration error it is.
     """
     url = _url(args)
-    scheme = _scheme(url)
-    if scheme == "memory":
-        yield MemoryBackend()
-        return
-    if scheme in _REDIS:
-        try:
-            from .backends.redis import RedisBackend
-        except ImportError as exc:
-            raise CliError(str(exc), 2) from None
-        try:
-            backend = RedisBackend.from_url(
-                url, prefix=args.prefix, timeout=args.timeout, cluster=args.cluster, max_connections=8
-            )
-        except (ValueError, TypeError) as exc:
-            raise CliError(f"invalid backend URL: {exc}", 2) from None
-        async with backend:
-            yield backend
-        return
+    cls = backend_class(url)
+    options: dict[str, Any] = {}
+    if cls.__name__ == "RedisBackend":
+        options = {"prefix": args.prefix, "timeout": args.timeout, "cluster": args.cluster, "max_connections": 8}
+    elif cls.__name__ == "PostgresBackend":
+        options = {
+            "table": args.table,
+            "timeout": args.timeout,
+            "create_table": create_table,
+            "min_size": 1,
+            "max_size": 2,
+            "server_settings": {"application_name": PROG},
+        }
     try:
-        import asyncpg
-
-        from .backends.postgres import PostgresBackend
-    except ImportError as exc:
-        raise CliError(str(exc), 2) from None
-    try:
-        pool = await asyncpg.create_pool(
-            url,
-            min_size=1,
-            max_size=2,
-            timeout=args.timeout,
-            server_settings={"default_transaction_isolation": "read committed", "application_name": PROG},
-        )
-    except (ValueError, asyncpg.ClientConfigurationError) as exc:
-        raise CliError(f"invalid backend URL: {exc}", 2) from None
-    except (
-        asyncpg.InvalidAuthorizationSpecificationError,
-        asyncpg.InvalidCatalogNameError,
-        asyncpg.InsufficientPrivilegeError,
-    ) as exc:  # as Redis's wrong password: a configuration error, not an outage
-        raise CliError(f"store refuses the connection: postgres: {type(exc).__name__}: {exc}", 2) from None
-    except (OSError, asyncio.TimeoutError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError) as exc:
-        raise CliError(f"store unreachable: postgres: {type(exc).__name__}: {exc}", 3) from None
-    except asyncpg.PostgresError as exc:
-        raise CliError(f"store error: postgres: {type(exc).__name__}: {exc}", 4) from None
-    try:
-        async with PostgresBackend(pool, table=args.table, timeout=args.timeout) as pg:
-            yield pg
-    finally:
-        await pool.close()
+        backend = cls.from_url(url, **options)
+    except (ValueError, TypeError) as exc:
+        raise ConfigurationError(f"invalid backend URL: {exc}") from None
+    async with backend:
+        yield backend
 
 
 def _maintained(backend: Backend) -> ReconcilableBackend:
     if not callable(getattr(backend, "stale", None)) or not callable(getattr(backend, "purge", None)):
-        raise CliError(f"{type(backend).__name__} has no stale()/purge()", 2)
+        raise ConfigurationError(f"{type(backend).__name__} has no stale()/purge()")
     return backend  # type: ignore[return-value]
 
 
@@ -352,7 +299,7 @@ def _stored_scope(scope: str | None) -> str | None:
     try:
         return stored_scope(scope)
     except InvalidScope as exc:
-        raise CliError(f"invalid --scope: {exc}", 2) from None
+        raise ConfigurationError(f"invalid --scope: {exc}") from None
 
 
 def _utf8(value: str, what: str) -> str:
@@ -360,13 +307,13 @@ def _utf8(value: str, what: str) -> str:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        raise CliError(f"{what} is not valid UTF-8", 2) from None
+        raise ConfigurationError(f"{what} is not valid UTF-8") from None
     return value
 
 
 def _not_negative(seconds: float, what: str) -> float:
     if not seconds >= 0:
-        raise CliError(f"{what} must be 0 or more seconds, got {seconds:g}", 2)
+        raise ConfigurationError(f"{what} must be 0 or more seconds, got {seconds:g}")
     return seconds
 
 
@@ -411,7 +358,7 @@ async def _inspect(args: argparse.Namespace) -> int:
 
 async def _stale(args: argparse.Namespace) -> int:
     if args.limit < 1:
-        raise CliError("--limit must be at least 1", 2)
+        raise ConfigurationError("--limit must be at least 1")
     _not_negative(args.older_than, "--older-than")
     async with _open(args) as backend:
         found = await _maintained(backend).stale(args.older_than, args.limit, namespace=args.namespace)
@@ -434,7 +381,7 @@ async def _stale(args: argparse.Namespace) -> int:
 def _load_hook(spec: str) -> Resolver:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise CliError(f"--hook must be MODULE:FUNCTION, got {spec!r}", 2)
+        raise ConfigurationError(f"--hook must be MODULE:FUNCTION, got {spec!r}")
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
         sys.path.insert(0, cwd)  # as `python -m` does: hooks in the current project are found
@@ -442,18 +389,18 @@ def _load_hook(spec: str) -> Resolver:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise CliError(f"hook module {module_name!r} not found", 2) from None
-        raise CliError(f"importing hook module {module_name!r} failed: {exc}", 2) from None
+            raise ConfigurationError(f"hook module {module_name!r} not found") from None
+        raise ConfigurationError(f"importing hook module {module_name!r} failed: {exc}") from None
     except Exception as exc:
-        raise CliError(f"importing hook module {module_name!r} failed: {type(exc).__name__}: {exc}", 2) from None
+        raise ConfigurationError(f"importing hook module {module_name!r} failed: {type(exc).__name__}: {exc}") from None
     obj: Any = module
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise CliError(f"hook module {module_name!r} has no {attr!r}", 2) from None
+            raise ConfigurationError(f"hook module {module_name!r} has no {attr!r}") from None
     if not callable(obj):
-        raise CliError(f"hook {spec!r} is not callable", 2)
+        raise ConfigurationError(f"hook {spec!r} is not callable")
     resolver: Resolver = obj
     return resolver
 
@@ -461,10 +408,10 @@ def _load_hook(spec: str) -> Resolver:
 async def _reconcile(args: argparse.Namespace) -> int:
     resolve = _load_hook(args.hook)
     if args.limit < 1 or args.concurrency < 1:
-        raise CliError("--limit and --concurrency must be at least 1", 2)
+        raise ConfigurationError("--limit and --concurrency must be at least 1")
     _not_negative(args.older_than, "--older-than")
     if args.ttl is not None and not args.ttl > 0:
-        raise CliError(f"--ttl must be more than 0 seconds, got {args.ttl:g}", 2)
+        raise ConfigurationError(f"--ttl must be more than 0 seconds, got {args.ttl:g}")
     async with _open(args) as backend:
         report = await reconcile(
             _maintained(backend),
@@ -517,10 +464,10 @@ def _report_lines(report: ReconcileReport) -> list[str]:
 
 async def _purge(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
-        raise CliError("--batch-size must be at least 1", 2)
+        raise ConfigurationError("--batch-size must be at least 1")
     async with _open(args) as backend:
         deleted = await _maintained(backend).purge(args.batch_size)
-    redis = _scheme(_url(args)) in _REDIS
+    redis = backend_class(_url(args)).__name__ == "RedisBackend"
     note = " (Redis deletes expired records by itself)" if redis else ""
     _emit(args, {"deleted": deleted}, lambda: [f"purged {deleted} expired record(s){note}"])
     return 0
@@ -529,13 +476,10 @@ async def _purge(args: argparse.Namespace) -> int:
 async def _migrate(args: argparse.Namespace) -> int:
     url: str | None = args.backend or os.environ.get(ENV_URL)
     if url is None and not args.print_ddl:
-        raise CliError(f"no backend: pass --backend URL or set {ENV_URL}", 2)
-    if url is not None and _scheme(url) not in _POSTGRES:
-        raise CliError("migrate is for postgresql:// backends; memory and Redis need no schema", 2)
-    try:
-        from .backends.postgres import PostgresBackend
-    except ImportError as exc:
-        raise CliError(str(exc), 2) from None
+        raise ConfigurationError(f"no backend: pass --backend URL or set {ENV_URL}")
+    if url is not None and backend_class(url).__name__ != "PostgresBackend":
+        raise ConfigurationError("migrate is for postgresql:// backends; memory and Redis need no schema")
+    from .backends.postgres import PostgresBackend  # MissingExtra (a ConfigurationError) without asyncpg
     if args.print_ddl:
         ddl = PostgresBackend(table=args.table).ddl
         _emit(args, {"table": args.table, "ddl": ddl}, lambda: [ddl.rstrip("\n")])

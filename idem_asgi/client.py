@@ -36,10 +36,12 @@ from typing import Any
 
 import anyio
 
+from .errors import MissingExtra
+
 try:
     import httpx
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess by the tests
-    raise ImportError('idem_asgi.client needs httpx, which is not installed: pip install "idem-asgi[client]"') from exc
+    raise MissingExtra('idem_asgi.client needs httpx, which is not installed: pip install "idem-asgi[client]"') from exc
 
 from .problems import IN_PROGRESS
 

@@ -17,8 +17,9 @@ from typing import Any, Final
 import msgspec
 
 from ._types import Scope
+from .errors import MalformedKey
 from .fingerprint import Hasher
-from .keys import MalformedKey, parse_key
+from .keys import parse_key
 
 KeySource = Callable[[Scope, bytes, "str | None"], "str | None"]
 _decode: Final = msgspec.json.Decoder().decode

@@ -1,14 +1,20 @@
-"""Library exceptions, raised to developers (never sent to HTTP clients).
+"""Library exceptions, raised to developers (never sent to HTTP clients). Every public one is here.
 
 The tree::
 
     IdemError
-    ├── ConfigurationError          bad policy, unknown URL scheme, missing extra
-    ├── InvalidScope (ValueError)   a scope callable refuses the request's scope (400 scope-malformed)
-    └── BackendError                a store call failed; wraps the driver error as __cause__
-        ├── BackendMisconfigured    the store answers but can never work as configured (500, logged)
-        └── BackendUnavailable      the store could not be reached or did not answer in time (503)
-            └── StoreFull           the store has no room for another record (503, or 429 for one scope)
+    ├── ConfigurationError              bad policy, unknown URL scheme, bad CLI usage
+    │   └── MissingExtra (ImportError)  an optional dependency is not installed (the message says which extra)
+    ├── MalformedKey (ValueError)       an Idempotency-Key value is not a valid key (400 key-malformed)
+    ├── InvalidScope (ValueError)       a scope callable refuses the request's scope (400 scope-malformed)
+    ├── SignatureError (ValueError)     a webhook signature does not verify
+    │   ├── SignatureMalformed          missing, repeated or unparseable (400 signature-malformed)
+    │   └── SignatureInvalid            well formed, but no secret matches or it is stale (401 signature-invalid)
+    └── BackendError                    a store call failed; wraps the driver error as __cause__
+        ├── BackendMisconfigured        the store answers but can never work as configured (500, logged)
+        ├── ClaimLost                   a write needing the request's claim found it no longer held
+        └── BackendUnavailable          the store could not be reached or did not answer in time (503)
+            └── StoreFull               the store has no room for another record (503, or 429 for one scope)
 
 HTTP clients see RFC 9457 problems instead (`idem_asgi.problems`).
 """
@@ -21,11 +27,31 @@ class IdemError(Exception):
 
 
 class ConfigurationError(IdemError):
-    """Raised at construction when a policy, URL or option cannot work."""
+    """Raised at construction (or by the CLI) when a policy, URL or option cannot work."""
+
+
+class MissingExtra(ConfigurationError, ImportError):
+    """Raised when a feature's optional dependency is missing; the message names the extra to install."""
+
+
+class MalformedKey(IdemError, ValueError):
+    """Raised by `parse_key` when a header value is not a valid idempotency key."""
 
 
 class InvalidScope(IdemError, ValueError):
     """Raised by a scope callable when the request's scope is ambiguous or unusable (two tenant headers)."""
+
+
+class SignatureError(IdemError, ValueError):
+    """Raised by a webhook signature scheme when a delivery does not verify."""
+
+
+class SignatureMalformed(SignatureError):
+    """The signature header is missing, repeated or unparseable (answered 400: the sender is broken)."""
+
+
+class SignatureInvalid(SignatureError):
+    """The signature is well formed but no secret matches, or its timestamp is stale (answered 401)."""
 
 
 class BackendError(IdemError):
@@ -37,6 +63,14 @@ class BackendMisconfigured(BackendError):
 
     Retrying cannot help, so the middleware answers 500 `store-misconfigured` (not 503) and logs
     the cause with its fix; at ASGI start-up it fails the start instead.
+    """
+
+
+class ClaimLost(BackendError):
+    """Raised by `PostgresBackend.transaction()`/`checkpoint()` when the claim is no longer this request's.
+
+    (Taken over after its lease expired, already completed, or gone.) The transaction is rolled
+    back, so the effect did not happen under this claim.
     """
 
 

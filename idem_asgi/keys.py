@@ -13,7 +13,7 @@ from typing import Final
 from urllib.parse import quote
 
 from ._types import Scope
-from .errors import InvalidScope
+from .errors import InvalidScope, MalformedKey
 
 MAX_KEY_LENGTH: Final = 255
 _VISIBLE: Final = re.compile(rb"[\x21-\x7e]{1,255}")
@@ -21,10 +21,6 @@ _SF_STRING: Final = re.compile(rb'"((?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\["\\])*)"'
 _ESCAPE: Final = re.compile(rb'\\(["\\])')
 
 ScopeFunc = Callable[[Scope], "str | None"]
-
-
-class MalformedKey(ValueError):
-    """The header value is not a valid idempotency key."""
 
 
 def parse_key(value: bytes) -> str:

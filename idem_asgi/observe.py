@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+from .errors import MissingExtra
+
 EventName = Literal[
     "claimed",  # a new key: the app runs
     "completed",  # its answer was stored
@@ -127,7 +129,7 @@ def prometheus_observer(registry: Any = None, name: str = "idem_asgi_events_tota
         from prometheus_client import REGISTRY
         from prometheus_client import Counter as PromCounter
     except ImportError as exc:
-        raise ImportError('prometheus_observer needs prometheus-client: pip install "idem-asgi[prometheus]"') from exc
+        raise MissingExtra('prometheus_observer needs prometheus-client: pip install "idem-asgi[prometheus]"') from exc
     registry = registry or REGISTRY
     slot = (id(registry), name)
     counter = _counters.get(slot)
@@ -148,7 +150,7 @@ def otel_observer() -> Observer:
     try:
         from opentelemetry import trace
     except ImportError as exc:
-        raise ImportError("otel_observer needs opentelemetry-api, which an instrumented app already has") from exc
+        raise MissingExtra("otel_observer needs opentelemetry-api, which an instrumented app already has") from exc
 
     def observe(event: Event) -> None:
         span = trace.get_current_span()

@@ -28,6 +28,8 @@ from . import problems
 from ._asgi import TooLarge, declared_too_large, read_body, replaying
 from ._types import ASGIApp, Receive, Scope, Send
 from .errors import ConfigurationError
+from .errors import SignatureInvalid as SignatureInvalid  # re-exported: schemes raise them
+from .errors import SignatureMalformed as SignatureMalformed
 from .policy import Duration, seconds
 from .problems import ProblemType
 from .routing import PathTable, method_set
@@ -39,14 +41,6 @@ SIGNATURE_INVALID: Final = ProblemType("signature-invalid", 401, "Invalid webhoo
 
 Headers = Sequence[tuple[bytes, bytes]]
 _DIGEST_SIZE: Final = hashlib.sha256().digest_size
-
-
-class SignatureMalformed(ValueError):
-    """The signature header is missing, repeated or unparseable (answered 400: the sender is broken)."""
-
-
-class SignatureInvalid(ValueError):
-    """The signature is well formed but no secret matches, or its timestamp is stale (answered 401)."""
 
 
 @runtime_checkable

@@ -18,6 +18,7 @@ import heapq
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, ClassVar
 
 from ..errors import ConfigurationError, StoreFull
 from ..records import (
@@ -55,6 +56,13 @@ class MemoryBackend(ClosingMixin):
             unscoped key space of single-tenant routes is exempt).
         clock: Seconds since the epoch (tests pass a fake one).
     """
+
+    SCHEMES: ClassVar[tuple[str, ...]] = ("memory",)
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> MemoryBackend:
+        """`memory://`: a fresh store (the URL carries nothing else); `options` go to the constructor."""
+        return cls(**options)
 
     def __init__(
         self,

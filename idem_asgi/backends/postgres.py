@@ -18,13 +18,20 @@ import re
 from collections.abc import AsyncIterator
 from contextvars import ContextVar
 from time import monotonic
-from typing import Any, Final, Literal
+from typing import Any, ClassVar, Final, Literal
 
 import anyio
 import msgspec
 
 from ..context import ClaimHandle, current_idempotency
-from ..errors import BackendError, BackendMisconfigured, BackendUnavailable, ConfigurationError
+from ..errors import (
+    BackendError,
+    BackendMisconfigured,
+    BackendUnavailable,
+    ClaimLost,
+    ConfigurationError,
+    MissingExtra,
+)
 from ..records import COMPLETED, IN_PROGRESS, Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
 from ..records import StaleRecord as StaleRecord  # re-exported: it was defined here before records.py
 from ._base import ClosingMixin, new_token
@@ -33,7 +40,7 @@ from ._orphans import OrphanSweeper
 try:
     import asyncpg
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError("PostgresBackend needs asyncpg: pip install 'idem-asgi[postgres]'") from exc
+    raise MissingExtra("PostgresBackend needs asyncpg: pip install 'idem-asgi[postgres]'") from exc
 
 logger = logging.getLogger("idem_asgi")
 _IDENT: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
@@ -102,6 +109,8 @@ _MISCONFIGURED: Final = (
 def _wrapped(exc: BaseException, table: str = "idem_records") -> BackendError:
     """The library error for an asyncpg (or socket) error: misconfigured, unavailable, or another store error."""
     what = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, asyncpg.ClientConfigurationError):
+        return BackendMisconfigured(f"postgres: invalid DSN or connection option ({what})")
     if isinstance(exc, asyncpg.InsufficientPrivilegeError | asyncpg.UndefinedTableError | asyncpg.UndefinedColumnError):
         return BackendMisconfigured(
             f"postgres refuses the table ({what}); fix: run `idem-asgi --backend <owner DSN> migrate` as the "
@@ -124,13 +133,6 @@ def _index_name(table: str, suffix: str) -> str:
     if len(name) > 63:
         name = f"{table[:40]}_{hashlib.sha256(table.encode()).hexdigest()[:8]}_{suffix}"
     return f'"{name}"'
-
-
-class ClaimLost(BackendError):
-    """`transaction()` found the claim no longer held (its lease expired and was taken over).
-
-    The transaction is rolled back, so the effect did not happen under this claim.
-    """
 
 
 _open_connection: ContextVar[Any] = ContextVar("idem_asgi_postgres_transaction", default=None)
@@ -173,6 +175,7 @@ class PostgresBackend(ClosingMixin):
         self._pool = pool
         self._dsn: str | None = None
         self._pool_options: dict[str, Any] = {}
+        self._create_table = True
         self._owned = False
         self._lock = anyio.Lock()
         self._orphans = OrphanSweeper(self._abandon_claim)
@@ -278,11 +281,27 @@ WHERE state <> 'c' AND lease_until <= now() - $1::float8 * interval '1 second' A
   AND ($3::text IS NULL OR namespace = $3)
 ORDER BY lease_until LIMIT $2"""
 
+    SCHEMES: ClassVar[tuple[str, ...]] = ("postgres", "postgresql")
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> PostgresBackend:
+        """`postgresql://...`: the same as `from_dsn(url, **options)`."""
+        return cls.from_dsn(url, **options)
+
     @classmethod
     def from_dsn(
-        cls, dsn: str, *, table: str = "idem_records", timeout: float = 5.0, **pool_options: Any
+        cls,
+        dsn: str,
+        *,
+        table: str = "idem_records",
+        timeout: float = 5.0,
+        create_table: bool = True,
+        **pool_options: Any,
     ) -> PostgresBackend:
         """A backend that creates (and owns) its pool on first use, and its table if missing.
+
+        With `create_table=False` the table is never created as a side effect (only `setup()`
+        creates it): a missing table is then a `BackendMisconfigured` naming `idem-asgi migrate`.
 
         `pool_options` go to `asyncpg.create_pool` (defaults: `min_size=2`, `max_size=20`). The
         pool's sessions are pinned to READ COMMITTED, which the claim statement relies on, unless
@@ -292,6 +311,7 @@ ORDER BY lease_until LIMIT $2"""
         """
         backend = cls(table=table, timeout=timeout)
         backend._dsn = dsn
+        backend._create_table = create_table
         server_settings = {"default_transaction_isolation": "read committed", **pool_options.pop("server_settings", {})}
         backend._pool_options = {
             "min_size": 2,
@@ -321,14 +341,17 @@ ORDER BY lease_until LIMIT $2"""
                     if self._pool is None:
                         pool = await asyncpg.create_pool(self._dsn, **self._pool_options)
                         try:
-                            async with pool.acquire() as conn:
-                                await self._create(conn)
+                            if self._create_table:
+                                async with pool.acquire() as conn:
+                                    await self._create(conn)
                         except BaseException:
                             pool.terminate()
                             raise
                         self._pool = pool
         except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
             raise _wrapped(exc, self.table) from exc
+        except ValueError as exc:  # an unparseable DSN (asyncpg's ClientConfigurationError is one too)
+            raise BackendMisconfigured(f"postgres: invalid DSN: {exc}") from exc
         return self._pool
 
     async def _create(self, conn: Any) -> None:

@@ -30,9 +30,9 @@ import contextlib
 import logging
 import re
 from collections.abc import AsyncIterator
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
-from ..errors import BackendError, BackendMisconfigured, BackendUnavailable, ConfigurationError
+from ..errors import BackendError, BackendMisconfigured, BackendUnavailable, ConfigurationError, MissingExtra
 from ..records import (
     COMPLETED,
     IN_PROGRESS,
@@ -55,7 +55,7 @@ try:
     from redis.asyncio.retry import Retry
     from redis.backoff import ExponentialBackoff
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError("RedisBackend needs redis-py: pip install 'idem-asgi[redis]'") from exc
+    raise MissingExtra("RedisBackend needs redis-py: pip install 'idem-asgi[redis]'") from exc
 
 try:
     from ._resp import RespPool
@@ -314,6 +314,8 @@ class RedisBackend(ClosingMixin):
         self._read = register(READ)
         # (redis key, token) -> [give-up time (monotonic), seen absent once]
         self._orphans = OrphanSweeper(self._abandon_claim)
+
+    SCHEMES: ClassVar[tuple[str, ...]] = ("redis", "rediss", "unix")
 
     @classmethod
     def from_url(
