@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Final
 
-from ._types import Message, Receive, Scope
+from ._types import ASGIApp, Message, Receive, Scope, Send
+from .context import STATE_KEY, IdempotencyInfo, _current
 
 HIDDEN_EXTENSIONS: Final = ("http.response.pathsend", "http.response.zerocopysend")
 """Extensions that would let a body bypass `send` (and so the recording): hidden on protected requests."""
@@ -86,3 +87,17 @@ def holding_disconnect(body: bytes, receive: Receive, finished: Callable[[], Awa
         return {"type": "http.disconnect"}
 
     return replay
+
+
+async def run_unclaimed(app: ASGIApp, scope: Scope, receive: Receive, send: Send, key: str, owner: str | None) -> None:
+    """Run the app with nothing claimed, but hand it the key and scope as usual (fail-open, disabled)."""
+    info = IdempotencyInfo(key, owner)
+    state = scope.get("state")
+    if state is None:
+        state = scope["state"] = {}
+    state[STATE_KEY] = info
+    reset = _current.set(info)
+    try:
+        await app(scope, receive, send)
+    finally:
+        _current.reset(reset)

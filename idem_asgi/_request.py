@@ -16,14 +16,23 @@ from typing import TYPE_CHECKING, Literal
 import anyio
 
 from . import problems
-from ._asgi import HIDDEN_EXTENSIONS, TooLarge, declared_too_large, holding_disconnect, read_body, replaying
+from ._admission import Refused, header_key, request_scope, sentence
+from ._asgi import (
+    HIDDEN_EXTENSIONS,
+    TooLarge,
+    declared_too_large,
+    holding_disconnect,
+    read_body,
+    replaying,
+    run_unclaimed,
+)
 from ._capture import Capture
 from ._decide import Action, decide
-from ._logging import once, redact, store_failed, throttled
+from ._logging import redact, store_failed, throttled
 from ._types import Receive, Scope, Send
 from .context import STATE_KEY, IdempotencyInfo, _current
-from .errors import BackendMisconfigured, InvalidScope, MalformedKey, StoreFull
-from .keys import ANONYMOUS_SCOPE, parse_key, route_key, stored_scope
+from .errors import BackendMisconfigured, StoreFull
+from .keys import route_key
 from .observe import EventName
 from .records import Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
 from .routing import Route, route_path
@@ -43,62 +52,6 @@ _EVENT_OF: dict[Action, EventName] = {
     Action.NOT_STORED: "not_stored",
     Action.EXPIRED: "expired",
 }
-
-
-class Refused(Exception):
-    """Answer the request with this problem (raised by a step, sent by `Protected.handle`)."""
-
-    def __init__(
-        self,
-        problem: problems.ProblemType,
-        detail: str | None = None,
-        *,
-        retry_after: int | None = None,
-        event: EventName | None = "rejected",
-    ) -> None:
-        super().__init__(problem.slug)
-        self.problem = problem
-        self.detail = detail
-        self.retry_after = retry_after
-        self.event = event
-
-
-def _sentence(text: str) -> str:
-    return text[:1].upper() + text[1:] + ("" if text.endswith(".") else ".")
-
-
-def header_key(route: Route, scope: Scope) -> str | None:
-    """The request's key header, parsed; None when absent. Raises `Refused` (400) when malformed or repeated."""
-    raw: bytes | None = None
-    count = 0
-    for k, v in scope["headers"]:
-        if k == route.header:
-            raw = v
-            count += 1
-    if count > 1:
-        raise Refused(problems.KEY_MALFORMED, f"Send exactly one {route.header_name} header, not {count}.")
-    if raw is None:
-        return None
-    try:
-        return parse_key(raw)
-    except MalformedKey as exc:
-        raise Refused(problems.KEY_MALFORMED, _sentence(str(exc))) from None
-
-
-async def run_unclaimed(
-    mw: IdempotencyMiddleware, scope: Scope, receive: Receive, send: Send, key: str, owner: str | None
-) -> None:
-    """Run the app with nothing claimed, but hand it the key and scope as usual (fail-open, disabled)."""
-    info = IdempotencyInfo(key, owner)
-    state = scope.get("state")
-    if state is None:
-        state = scope["state"] = {}
-    state[STATE_KEY] = info
-    reset = _current.set(info)
-    try:
-        await mw.app(scope, receive, send)
-    finally:
-        _current.reset(reset)
 
 
 class Protected:
@@ -202,38 +155,9 @@ class Protected:
             # A derived key lives in its route's own key space: never a header key's, nor another route's.
             self.key = derived
             stored = route_key(scope["method"], route_path(scope), derived)
-        self.rkey = RecordKey.build(self.mw.namespace, self._scope(), stored)
+        stored_owner, self.owner = request_scope(route, scope)
+        self.rkey = RecordKey.build(self.mw.namespace, stored_owner, stored)
         return True
-
-    def _scope(self) -> str | None:
-        """Whom the key belongs to, as stored; sets `owner` (what the handler is told)."""
-        route = self.route
-        if route.scope is None:
-            return None
-        try:
-            raw = route.scope(self.scope)
-        except InvalidScope as exc:
-            raise Refused(problems.SCOPE_MALFORMED, _sentence(str(exc))) from None
-        except Exception as exc:  # its text may carry the credential it was reading
-            logger.error(
-                "idem_asgi: the scope callable of route %r raised %s: %s",
-                route.policy.path,
-                type(exc).__name__,
-                redact(str(exc)),
-            )
-            raise Refused(problems.SCOPE_MALFORMED, "The scope of this request could not be determined.") from None
-        if raw is None or raw == "":
-            if route.anonymous:
-                return ANONYMOUS_SCOPE
-            raise Refused(problems.SCOPE_REQUIRED)
-        try:
-            stored = stored_scope(raw)
-        except InvalidScope as exc:
-            if not isinstance(raw, str):
-                once(logging.ERROR, f"idem_asgi: route {route.policy.path!r}: {exc}")
-            raise Refused(problems.SCOPE_MALFORMED, _sentence(str(exc))) from None
-        self.owner = raw if isinstance(raw, str) else str(raw)
-        return stored
 
     async def _claim(self) -> ClaimResult | None:
         """Claim-or-read in one store call. None when the store failed and fail-open ran the app."""
@@ -244,13 +168,12 @@ class Protected:
         except StoreFull as exc:
             self.mw.emit("store_error", route, rkey)
             problem = problems.KEY_QUOTA if exc.scope_quota else problems.STORE_UNAVAILABLE
-            raise Refused(problem, _sentence(str(exc)), retry_after=route.retry_after, event=None) from None
+            raise Refused(problem, sentence(str(exc)), retry_after=route.retry_after, event=None) from None
         except Exception as exc:
             self._store_failed("claim failed", exc)
             if self.mw.fail_open:
-                await run_unclaimed(
-                    self.mw, self.scope, replaying(self.body, self.receive), self.send, self.key, self.owner
-                )
+                receive = replaying(self.body, self.receive)
+                await run_unclaimed(self.mw.app, self.scope, receive, self.send, self.key, self.owner)
                 return None
             raise self._store_refusal(exc) from None
 

@@ -26,21 +26,20 @@ import re
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from datetime import datetime, timezone
 from typing import Any
 
+from ._cli_output import iso, key_doc, label, record_doc, report_doc, report_lines, stale_doc, text
 from .backends import backend_class
 from .backends._protocol import Backend
 from .errors import BackendError, BackendMisconfigured, BackendUnavailable, ConfigurationError, InvalidScope
 from .keys import ANONYMOUS_SCOPE, stored_scope
-from .reconcile import ReconcilableBackend, ReconcileReport, Resolver, reconcile
-from .records import Record, RecordKey, StaleRecord, StoredResponse
+from .reconcile import ReconcilableBackend, Resolver, reconcile
+from .records import RecordKey
 
 __all__ = ["main", "run"]
 
 ENV_URL = "IDEM_BACKEND_URL"
 PROG = "idem-asgi"
-
 
 
 # --- arguments -------------------------------------------------------------------------------
@@ -222,62 +221,6 @@ def _maintained(backend: Backend) -> ReconcilableBackend:
 # --- output ----------------------------------------------------------------------------------
 
 
-def _iso(t: float) -> str:
-    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def _text(raw: bytes) -> str:
-    return raw.decode("latin-1")
-
-
-def _response_doc(response: StoredResponse) -> dict[str, Any]:
-    return {
-        "status": response.status,
-        "headers": [[_text(n), _text(v)] for n, v in response.headers],
-        "body_size": len(response.body),
-        "replayable": response.replayable,
-    }
-
-
-def _key_doc(key: RecordKey) -> dict[str, Any]:
-    return {"namespace": key.namespace, "scope": key.scope, "key": key.key, "digest": key.digest}
-
-
-def _record_doc(key: RecordKey, record: Record) -> dict[str, Any]:
-    return {
-        **_key_doc(key),
-        "found": True,
-        "state": record.state,
-        "token": record.token,
-        "fingerprint": record.fingerprint.hex(),
-        "lease_until": _iso(record.lease_until),
-        "expires_at": _iso(record.expires_at),
-        "response": None if record.response is None else _response_doc(record.response),
-        "checkpoint": record.checkpoint,
-        "effect_committed": record.effect_committed,
-        "holder_failed": record.holder_failed,
-        "ttl": record.ttl,
-    }
-
-
-def _stale_doc(s: StaleRecord) -> dict[str, Any]:
-    return {
-        **_key_doc(s.key),
-        "token": s.record.token,
-        "fingerprint": s.record.fingerprint.hex(),
-        "lease_until": _iso(s.record.lease_until),
-        "expires_at": _iso(s.record.expires_at),
-        "effect_committed": s.effect_committed,
-        "holder_failed": s.record.holder_failed,
-        "checkpoint": s.record.checkpoint,
-        "ttl": s.record.ttl,
-    }
-
-
-def _label(namespace: str, scope: str, key: str) -> str:
-    return f"{namespace} / {scope or '-'} / {key}"
-
-
 def _emit(args: argparse.Namespace, doc: Any, lines: Callable[[], list[str]]) -> None:
     if args.json:
         print(json.dumps(doc, indent=2, ensure_ascii=False))
@@ -323,22 +266,22 @@ async def _inspect(args: argparse.Namespace) -> int:
     async with _open(args) as backend:
         record = await backend.get(key)
     if record is None:
-        missing = f"no record for {_label(key.namespace, key.scope, key.key)}"
-        _emit(args, {**_key_doc(key), "found": False}, lambda: [missing])
+        missing = f"no record for {label(key.namespace, key.scope, key.key)}"
+        _emit(args, {**key_doc(key), "found": False}, lambda: [missing])
         return 1
 
     def lines() -> list[str]:
         assert record is not None
         out = [
-            f"record    {_label(key.namespace, key.scope, key.key)}",
+            f"record    {label(key.namespace, key.scope, key.key)}",
             f"digest    {key.digest}",
             f"state     {record.state}",
             f"token     {record.token}",
         ]
         if record.state == "in_progress":
             over = "over: the holder stopped, outcome unknown" if record.lease_until <= time.time() else "running"
-            out.append(f"lease     until {_iso(record.lease_until)} ({over}, by this machine's clock)")
-        out.append(f"expires   {_iso(record.expires_at)}")
+            out.append(f"lease     until {iso(record.lease_until)} ({over}, by this machine's clock)")
+        out.append(f"expires   {iso(record.expires_at)}")
         if record.checkpoint is not None:
             out.append(f"checkpoint {record.checkpoint}")
         if record.effect_committed:
@@ -349,10 +292,10 @@ async def _inspect(args: argparse.Namespace) -> int:
             r = record.response
             note = "replayable" if r.replayable else "not replayable (too large to store)"
             out.append(f"response  {r.status}, {len(r.headers)} headers, {len(r.body)} bytes, {note}")
-            out.extend(f"  {_text(n)}: {_text(v)}" for n, v in r.headers)
+            out.extend(f"  {text(n)}: {text(v)}" for n, v in r.headers)
         return out
 
-    _emit(args, _record_doc(key, record), lines)
+    _emit(args, record_doc(key, record), lines)
     return 0
 
 
@@ -365,7 +308,7 @@ async def _stale(args: argparse.Namespace) -> int:
 
     def lines() -> list[str]:
         out = [
-            f"{_iso(s.record.lease_until)}  {_label(s.key.namespace, s.key.scope, s.key.key)}  token {s.record.token}"
+            f"{iso(s.record.lease_until)}  {label(s.key.namespace, s.key.scope, s.key.key)}  token {s.record.token}"
             + ("  effect committed" if s.effect_committed else "")
             + ("  failed mid-answer" if s.record.holder_failed else "")
             + (f"  checkpoint {s.record.checkpoint!r}" if s.record.checkpoint is not None else "")
@@ -374,7 +317,7 @@ async def _stale(args: argparse.Namespace) -> int:
         out.append(f"{len(found)} stale claim(s) whose lease ended more than {args.older_than:g} s ago")
         return out
 
-    _emit(args, [_stale_doc(s) for s in found], lines)
+    _emit(args, [stale_doc(s) for s in found], lines)
     return 0
 
 
@@ -424,42 +367,8 @@ async def _reconcile(args: argparse.Namespace) -> int:
             dry_run=args.dry_run,
             concurrency=args.concurrency,
         )
-    _emit(args, _report_doc(report), lambda: _report_lines(report))
+    _emit(args, report_doc(report), lambda: report_lines(report))
     return 1 if report.errors else 0
-
-
-def _report_doc(report: ReconcileReport) -> dict[str, Any]:
-    return {
-        "examined": report.examined,
-        "completed": report.completed,
-        "released": report.released,
-        "unresolved": report.unresolved,
-        "skipped": report.skipped,
-        "errors": report.errors,
-        "dry_run": report.dry_run,
-        "items": [
-            {
-                "namespace": i.namespace,
-                "scope": i.scope,
-                "key": i.key,
-                "token": i.token,
-                "lease_until": _iso(i.lease_until),
-                "action": i.action,
-                "detail": i.detail,
-            }
-            for i in report.items
-        ],
-    }
-
-
-def _report_lines(report: ReconcileReport) -> list[str]:
-    out = [f"{i.action:<10}  {_label(i.namespace, i.scope, i.key)}  {i.detail}" for i in report.items]
-    r = report
-    out.append(
-        f"examined {r.examined}: completed {r.completed}, released {r.released}, unresolved {r.unresolved}, "
-        f"skipped {r.skipped}, errors {r.errors}" + (" (dry run: nothing written)" if r.dry_run else "")
-    )
-    return out
 
 
 async def _purge(args: argparse.Namespace) -> int:
@@ -480,6 +389,7 @@ async def _migrate(args: argparse.Namespace) -> int:
     if url is not None and backend_class(url).__name__ != "PostgresBackend":
         raise ConfigurationError("migrate is for postgresql:// backends; memory and Redis need no schema")
     from .backends.postgres import PostgresBackend  # MissingExtra (a ConfigurationError) without asyncpg
+
     if args.print_ddl:
         ddl = PostgresBackend(table=args.table).ddl
         _emit(args, {"table": args.table, "ddl": ddl}, lambda: [ddl.rstrip("\n")])

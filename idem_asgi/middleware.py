@@ -12,10 +12,12 @@ from collections.abc import Sequence
 from typing import Any, Final, Literal
 
 from . import _shared
+from ._admission import header_key
+from ._asgi import run_unclaimed
 from ._late_completions import LateCompletions
 from ._leases import Leases
 from ._logging import once
-from ._request import Protected, header_key, run_unclaimed
+from ._request import Protected
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .backends import Backend
 from .errors import BackendMisconfigured, ConfigurationError
@@ -170,7 +172,7 @@ class IdempotencyMiddleware:
         if key is None:
             await self.app(scope, receive, send)
         else:
-            await run_unclaimed(self, scope, receive, send, key, owner if isinstance(owner, str) else None)
+            await run_unclaimed(self.app, scope, receive, send, key, owner if isinstance(owner, str) else None)
 
     def _lifespan_send(self, send: Send) -> Send:
         """Check the store when the app has started: a store that can never work fails the start-up."""

@@ -276,10 +276,10 @@ async def test_claim_statement_sees_nothing_when_a_concurrent_insert_commits_lat
         args = ("ns", "", "key-1", b"fp")
         tx = raw.transaction()
         await tx.start()
-        first = await raw.fetch(pg._sql_claim, *args, 1, 30.0, DAY)
+        first = await raw.fetch(pg.sql.claim, *args, 1, 30.0, DAY)
         assert [r[0] for r in first] == [True]
         # The second statement takes its snapshot now, then waits on the uncommitted insert.
-        second = asyncio.ensure_future(other.fetch(pg._sql_claim, *args, 2, 30.0, DAY))
+        second = asyncio.ensure_future(other.fetch(pg.sql.claim, *args, 2, 30.0, DAY))
         await asyncio.sleep(0.3)
         assert not second.done()
         await tx.commit()
@@ -287,7 +287,7 @@ async def test_claim_statement_sees_nothing_when_a_concurrent_insert_commits_lat
         # Through the backend the same race ends as a read of the winner's record.
         tx = raw.transaction()
         await tx.start()
-        await raw.fetch(pg._sql_claim, "ns", "", "key-2", b"fp", 3, 30.0, DAY)
+        await raw.fetch(pg.sql.claim, "ns", "", "key-2", b"fp", 3, 30.0, DAY)
         late = asyncio.ensure_future(pg.claim(k("key-2"), b"fp", lease=30, ttl=DAY))
         await asyncio.sleep(0.3)
         await tx.commit()
@@ -336,7 +336,7 @@ async def test_a_replay_takes_no_row_lock(pg: PostgresBackend, raw: asyncpg.Conn
     # flushes no WAL (the former ON CONFLICT DO UPDATE locked the row, and so did both).
     for key in ("done", "running"):
         async with raw.transaction():
-            rows = await raw.fetch(pg._sql_claim, "ns", "", key, b"fp", 99, 30.0, DAY)
+            rows = await raw.fetch(pg.sql.claim, "ns", "", key, b"fp", 99, 30.0, DAY)
             assert [r[0] for r in rows] == [False]
             assert await raw.fetchval("SELECT txid_current_if_assigned()") is None
 
@@ -638,7 +638,7 @@ async def test_setup_refuses_a_pool_that_is_not_read_committed() -> None:
 
 
 async def test_turns_go_to_the_longest_waiter_and_skip_the_ones_that_gave_up() -> None:
-    from idem_asgi.backends.postgres import _Turns
+    from idem_asgi.backends._postgres_pool import Turns as _Turns
 
     turns = _Turns(1)
     await turns.take(1.0)  # the only turn

@@ -9,15 +9,11 @@ server's `now()`. The body is kept verbatim as `bytea`.
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import contextlib
-import hashlib
 import logging
 import re
 from collections.abc import AsyncIterator
 from contextvars import ContextVar
-from time import monotonic
 from typing import Any, ClassVar, Final, Literal
 
 import anyio
@@ -27,7 +23,6 @@ from ..context import ClaimHandle, current_idempotency
 from ..errors import (
     BackendError,
     BackendMisconfigured,
-    BackendUnavailable,
     ClaimLost,
     ConfigurationError,
     MissingExtra,
@@ -36,6 +31,8 @@ from ..records import COMPLETED, IN_PROGRESS, Claimed, ClaimResult, Existing, Re
 from ..records import StaleRecord as StaleRecord  # re-exported: it was defined here before records.py
 from ._base import ClosingMixin, new_token
 from ._orphans import OrphanSweeper
+from ._postgres_pool import _UNAVAILABLE, Runner, keep_session, wrapped
+from ._postgres_sql import DDL, Statements, index_name
 
 try:
     import asyncpg
@@ -46,93 +43,6 @@ logger = logging.getLogger("idem_asgi")
 _IDENT: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 _headers_encode = msgspec.msgpack.Encoder().encode
 _headers_decode = msgspec.msgpack.Decoder(list[tuple[bytes, bytes]]).decode
-
-DDL: Final = """\
-CREATE TABLE IF NOT EXISTS {table} (
-    namespace   text        NOT NULL,
-    scope       text        NOT NULL,
-    key         text        NOT NULL,
-    state       "char"      NOT NULL,            -- 'p' in progress, 'e' in progress with its effect committed
-                                                 -- (see PostgresBackend.transaction), 'u' in progress whose
-                                                 -- holder failed mid-answer (mark_failed), 'c' completed
-    fingerprint bytea       NOT NULL,
-    token       bigint      NOT NULL,            -- fencing token of the current holder
-    lease_until timestamptz NOT NULL,
-    expires_at  timestamptz NOT NULL,
-    created_at  timestamptz NOT NULL DEFAULT now(),
-    status      integer,
-    headers     bytea,                           -- msgpack list of [name, value] byte pairs, in order
-    body        bytea,                           -- response body, verbatim
-    replayable  boolean,
-    checkpoint  text,                            -- the last step the handler recorded (checkpoint())
-    trailers    bytea,                           -- msgpack list of HTTP trailer pairs, NULL when none
-    ttl         float8,                          -- seconds the record was claimed for (reconcile keeps that)
-    PRIMARY KEY (namespace, scope, key)
-);
-ALTER TABLE {table} ADD COLUMN IF NOT EXISTS checkpoint text;
-ALTER TABLE {table} ADD COLUMN IF NOT EXISTS trailers bytea;
-ALTER TABLE {table} ADD COLUMN IF NOT EXISTS ttl float8;
-CREATE INDEX IF NOT EXISTS {expires_index} ON {table} (expires_at);
-CREATE INDEX IF NOT EXISTS {inflight_index} ON {table} (lease_until) WHERE state <> 'c';
-"""
-
-_COLUMNS: Final = (
-    "state, fingerprint, token, extract(epoch from lease_until)::float8 AS lease_until, "
-    "extract(epoch from expires_at)::float8 AS expires_at, status, headers, body, replayable, "
-    "extract(epoch from now())::float8 AS now, checkpoint, trailers, ttl"
-)
-
-
-# asyncpg raises asyncio.TimeoutError, which is the builtin TimeoutError only from Python 3.11.
-_TIMEOUT: Final = (TimeoutError, asyncio.TimeoutError)
-_UNAVAILABLE: Final = (
-    OSError,
-    *_TIMEOUT,
-    asyncpg.InterfaceError,
-    asyncpg.PostgresConnectionError,
-    asyncpg.exceptions.OperatorInterventionError,  # admin/crash shutdown, cannot connect now, query canceled
-    asyncpg.exceptions.InsufficientResourcesError,  # too many connections, disk full
-)
-
-
-# The server answers, but refuses us for good: retrying cannot help (500, and a failed start-up).
-_MISCONFIGURED: Final = (
-    asyncpg.InvalidAuthorizationSpecificationError,  # no such role, wrong password (28000, 28P01)
-    asyncpg.InvalidCatalogNameError,  # no such database (3D000)
-    asyncpg.InvalidSchemaNameError,  # no such schema (3F000)
-    asyncpg.InsufficientPrivilegeError,  # the role may not create or use the table (42501)
-    asyncpg.UndefinedTableError,  # the table is gone and the role may not create it (42P01)
-    asyncpg.UndefinedColumnError,  # a table of an older schema the role may not migrate (42703)
-)
-
-
-def _wrapped(exc: BaseException, table: str = "idem_records") -> BackendError:
-    """The library error for an asyncpg (or socket) error: misconfigured, unavailable, or another store error."""
-    what = f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, asyncpg.ClientConfigurationError):
-        return BackendMisconfigured(f"postgres: invalid DSN or connection option ({what})")
-    if isinstance(exc, asyncpg.InsufficientPrivilegeError | asyncpg.UndefinedTableError | asyncpg.UndefinedColumnError):
-        return BackendMisconfigured(
-            f"postgres refuses the table ({what}); fix: run `idem-asgi --backend <owner DSN> migrate` as the "
-            f"table's owner, then GRANT SELECT, INSERT, UPDATE, DELETE ON {table} TO <the app's role>"
-        )
-    if isinstance(exc, _MISCONFIGURED):
-        return BackendMisconfigured(
-            f"postgres refuses the connection ({what}); fix: check the role, password, database and schema in the DSN"
-        )
-    if isinstance(exc, asyncpg.ReadOnlySQLTransactionError):
-        return BackendUnavailable(f"postgres is read-only (a standby, or a failover in progress): {what}")
-    if isinstance(exc, _UNAVAILABLE):
-        return BackendUnavailable(f"postgres unavailable: {exc!r}")
-    return BackendError(f"postgres error: {exc!r}")
-
-
-def _index_name(table: str, suffix: str) -> str:
-    """A quoted index name for `table` that stays distinct within Postgres's 63-byte limit."""
-    name = f"{table}_{suffix}"
-    if len(name) > 63:
-        name = f"{table[:40]}_{hashlib.sha256(table.encode()).hexdigest()[:8]}_{suffix}"
-    return f'"{name}"'
 
 
 _open_connection: ContextVar[Any] = ContextVar("idem_asgi_postgres_transaction", default=None)
@@ -166,12 +76,12 @@ class PostgresBackend(ClosingMixin):
             raise ConfigurationError(f"invalid table name {table!r}")
         self.table = ".".join(f'"{p}"' for p in parts)
         self._indexes = {
-            "expires_index": _index_name(parts[-1], "expires_idx"),
-            "inflight_index": _index_name(parts[-1], "inflight_idx"),
+            "expires_index": index_name(parts[-1], "expires_idx"),
+            "inflight_index": index_name(parts[-1], "inflight_idx"),
         }
         schema = f'"{parts[0]}".' if len(parts) == 2 else ""
         self._relations = [self.table, *(schema + name for name in self._indexes.values())]
-        self.timeout = timeout
+        self._timeout = timeout
         self._pool = pool
         self._dsn: str | None = None
         self._pool_options: dict[str, Any] = {}
@@ -179,109 +89,19 @@ class PostgresBackend(ClosingMixin):
         self._owned = False
         self._lock = anyio.Lock()
         self._orphans = OrphanSweeper(self._abandon_claim)
-        self._releasing: set[asyncio.Task[Any]] = set()
-        self._turns: _Turns | None = None
-        t = self.table
-        # Claim-or-read in one statement that takes no lock and writes nothing unless it claims:
-        # `cur` reads the row in the statement's snapshot; a live row is returned as is (a replay
-        # or a 409 is a plain read: no row lock, no transaction id, no WAL flush at commit). With
-        # no row, `ins` inserts; with a free row (TTL over, or the lease of `$8` ended), `upd`
-        # takes it over, its WHERE re-checked on the newest row version. Both arms are exclusive.
-        # The statement returns no row when it lost a race it cannot see: a concurrent insert
-        # that committed after our snapshot (ON CONFLICT DO NOTHING waits for it, then does
-        # nothing, and the row is invisible to `cur`), or a free row another claimer or purge
-        # changed first. The caller then runs it again with a fresh snapshot.
-        free = "(r.expires_at <= now())"  # a claim takes over only a row past its TTL
-        reset = """
-        state = 'p', fingerprint = $4, token = $5, created_at = now(), ttl = $7::float8,
-        lease_until = now() + $6::float8 * interval '1 second', expires_at = now() + $7::float8 * interval '1 second',
-        status = NULL, headers = NULL, body = NULL, replayable = NULL, checkpoint = NULL, trailers = NULL"""
-        self._sql_claim = f"""
-WITH cur AS (
-    SELECT {_COLUMNS}, {free} AS free FROM {t} AS r WHERE namespace = $1 AND scope = $2 AND key = $3
-), ins AS (
-    INSERT INTO {t} (namespace, scope, key, state, fingerprint, token, lease_until, expires_at, ttl)
-    SELECT $1, $2, $3, 'p', $4, $5, now() + $6::float8 * interval '1 second', now() + $7::float8 * interval '1 second',
-           $7::float8
-    WHERE NOT EXISTS (SELECT 1 FROM cur)
-    ON CONFLICT (namespace, scope, key) DO NOTHING
-    RETURNING true
-), upd AS (
-    UPDATE {t} AS r SET {reset}
-    WHERE namespace = $1 AND scope = $2 AND key = $3 AND EXISTS (SELECT 1 FROM cur WHERE free) AND {free}
-    RETURNING true
-)
-SELECT true, NULL::"char", NULL::bytea, NULL::bigint, NULL::float8, NULL::float8,
-       NULL::integer, NULL::bytea, NULL::bytea, NULL::boolean, NULL::float8, NULL::text, NULL::bytea, NULL::float8
-FROM ins
-UNION ALL
-SELECT true, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM upd
-UNION ALL
-SELECT false, state, fingerprint, token, lease_until, expires_at, status, headers, body, replayable, now, checkpoint,
-       trailers, ttl
-FROM cur WHERE NOT free
-"""
-        # A takeover: the same update, of a held record whose lease of `$8` ended, never an insert. 'gone'
-        # when no live record exists (released, or past its TTL): recovery must not resurrect it.
-        held_free = "(r.state IN ('p', 'u') AND r.token = $8 AND r.lease_until <= now() AND r.expires_at > now())"
-        self._sql_takeover = f"""
-WITH cur AS (
-    SELECT {_COLUMNS}, {held_free} AS free, r.expires_at > now() AS live
-    FROM {t} AS r WHERE namespace = $1 AND scope = $2 AND key = $3
-), upd AS (
-    UPDATE {t} AS r SET {reset}
-    WHERE namespace = $1 AND scope = $2 AND key = $3 AND EXISTS (SELECT 1 FROM cur WHERE free) AND {held_free}
-    RETURNING true
-)
-SELECT 'taken'::text, NULL::"char", NULL::bytea, NULL::bigint, NULL::float8, NULL::float8,
-       NULL::integer, NULL::bytea, NULL::bytea, NULL::boolean, NULL::float8, NULL::text, NULL::bytea, NULL::float8
-FROM upd
-UNION ALL
-SELECT 'held', state, fingerprint, token, lease_until, expires_at, status, headers, body, replayable, now, checkpoint,
-       trailers, ttl
-FROM cur WHERE live AND NOT free
-UNION ALL
-SELECT 'gone', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-WHERE NOT EXISTS (SELECT 1 FROM cur WHERE live)
-"""
-        held = "namespace = $1 AND scope = $2 AND key = $3 AND token = $4"
-        where = f"{held} AND state IN ('p', 'e')"
-        self._sql_complete = f"""
-UPDATE {t} SET state = 'c', status = $5, headers = $6, body = $7, replayable = $8, trailers = $10,
-    lease_until = now(), expires_at = now() + $9::float8 * interval '1 second'
-WHERE {where}"""
-        # Never release a record whose effect committed ('e'): a retry must not run it again.
-        self._sql_release = f"DELETE FROM {t} WHERE {held} AND state = 'p'"
-        # Idempotent: a second transaction() block of the same request marks it again, harmlessly.
-        self._sql_effect = f"UPDATE {t} SET state = 'e' WHERE {held} AND state IN ('p', 'e')"
-        self._sql_holder = f"SELECT state FROM {t} WHERE {held}"
-        self._sql_checkpoint = f"UPDATE {t} SET checkpoint = $5 WHERE {where}"
-        self._sql_completed_by = f"""
-SELECT true FROM {t} WHERE namespace = $1 AND scope = $2 AND key = $3 AND token = $4 AND state = 'c'"""
-        # The record outlives its TTL while its holder still runs (renewal), so nobody claims a live key.
-        self._sql_extend = f"""
-UPDATE {t} SET lease_until = greatest(lease_until, now() + $5::float8 * interval '1 second'),
-    expires_at = greatest(expires_at, now() + $5::float8 * interval '1 second') WHERE {where}"""
-        # The holder failed mid-answer: lease over now; 'u' (never released), or 'e' kept as it is.
-        self._sql_fail = f"""
-UPDATE {t} SET lease_until = least(lease_until, now()), state = CASE WHEN state = 'e' THEN 'e' ELSE 'u' END
-WHERE {where}"""
-        self._sql_get = f"""
-SELECT false, {_COLUMNS} FROM {t} WHERE namespace = $1 AND scope = $2 AND key = $3 AND expires_at > now()"""
-        # Row locks are taken by the inner SELECT and skipped when held (a claim re-using an
-        # expired row), so a purge never waits on, nor blocks, live traffic for long. TIDs in an
-        # array make a TID scan, where `ctid IN (subquery)` would scan the whole table per batch.
-        self._sql_purge = f"""
-DELETE FROM {t} WHERE ctid = ANY(ARRAY(
-    SELECT ctid FROM {t} WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED
-)) AND expires_at <= now()"""
-        self._sql_stale = f"""
-SELECT false, {_COLUMNS}, namespace, scope, key FROM {t}
-WHERE state <> 'c' AND lease_until <= now() - $1::float8 * interval '1 second' AND expires_at > now()
-  AND ($3::text IS NULL OR namespace = $3)
-ORDER BY lease_until LIMIT $2"""
+        self._runner = Runner(timeout, self.table)
+        self.sql = Statements(self.table)
 
     SCHEMES: ClassVar[tuple[str, ...]] = ("postgres", "postgresql")
+
+    @property
+    def timeout(self) -> float:
+        """Seconds each store call may take, waiting for a pooled connection included."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        self._timeout = self._runner.timeout = value
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> PostgresBackend:
@@ -317,7 +137,7 @@ ORDER BY lease_until LIMIT $2"""
             "min_size": 2,
             "max_size": 20,
             "server_settings": server_settings,
-            "reset": _keep_session,
+            "reset": keep_session,
             **pool_options,
         }
         backend._owned = True
@@ -349,7 +169,7 @@ ORDER BY lease_until LIMIT $2"""
                             raise
                         self._pool = pool
         except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
-            raise _wrapped(exc, self.table) from exc
+            raise wrapped(exc, self.table) from exc
         except ValueError as exc:  # an unparseable DSN (asyncpg's ClientConfigurationError is one too)
             raise BackendMisconfigured(f"postgres: invalid DSN: {exc}") from exc
         return self._pool
@@ -381,7 +201,7 @@ ORDER BY lease_until LIMIT $2"""
             "SELECT has_table_privilege($1, 'SELECT') AND has_table_privilege($1, 'INSERT') "
             "AND has_table_privilege($1, 'UPDATE') AND has_table_privilege($1, 'DELETE')"
         )
-        if not await self._run(pool, "fetchval", sql, self.table):
+        if not await self._runner.run(pool, "fetchval", sql, self.table):
             raise BackendMisconfigured(
                 f"postgres: the role may not read and write {self.table}; fix: GRANT SELECT, INSERT, UPDATE, "
                 f"DELETE ON {self.table} TO <the app's role>"
@@ -404,72 +224,13 @@ ORDER BY lease_until LIMIT $2"""
                     )
                 await self._create(conn)
         except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
-            raise _wrapped(exc, self.table) from exc
-
-    async def _run(self, pool: Any, method: str, sql: str, *args: Any, deadline: float | None = None) -> Any:
-        # One deadline for the whole call: waiting for a pooled connection, then the statement.
-        # When the statement times out, asyncpg sends the server a cancel request; the connection
-        # goes back to the pool in the background (bounded by `timeout`, else it is terminated),
-        # so a hung server costs the caller `timeout`, not two or three times it.
-        if deadline is None:
-            deadline = monotonic() + self.timeout
-        try:
-            remaining = deadline - monotonic()
-            if remaining <= 0:
-                raise TimeoutError
-            if self._turns is None:
-                self._turns = _Turns(pool.get_max_size())
-            turns = self._turns
-            await turns.take(remaining)  # first come, first served (see _Turns)
-            try:
-                conn = await pool.acquire(timeout=max(deadline - monotonic(), 0.001))
-            except BaseException:
-                turns.give_back()
-                raise
-            release = True
-            try:
-                remaining = deadline - monotonic()
-                if remaining <= 0:
-                    raise TimeoutError
-                return await getattr(conn, method)(sql, *args, timeout=remaining)
-            except _TIMEOUT:
-                release = False
-                task = asyncio.get_running_loop().create_task(_release_quietly(pool, conn, turns))
-                self._releasing.add(task)
-                task.add_done_callback(self._releasing.discard)
-                raise
-            finally:
-                if release:
-                    try:
-                        await pool.release(conn)
-                    finally:
-                        turns.give_back()
-        except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
-            raise _wrapped(exc, self.table) from exc
-
-    async def _run_again(self, pool: Any, method: str, sql: str, *args: Any) -> tuple[Any, bool]:
-        """Run a statement; after a broken connection, once more on a fresh one, within one deadline.
-
-        Returns (result, retried). A broken connection (terminated backend, server restart, reset)
-        leaves it unknown whether the statement committed, so only statements that can tell their
-        own earlier effect apart are run this way. Timeouts are not retried: the server may be hung.
-        """
-        deadline = monotonic() + self.timeout
-        try:
-            return await self._run(pool, method, sql, *args, deadline=deadline), False
-        except BackendUnavailable as exc:
-            if isinstance(exc.__cause__, _TIMEOUT):
-                raise
-            # What broke one connection (a restart, a mass pg_terminate_backend) usually broke the
-            # idle ones too: have the pool replace them all instead of handing us the next corpse.
-            await pool.expire_connections()
-        return await self._run(pool, method, sql, *args, deadline=deadline), True
+            raise wrapped(exc, self.table) from exc
 
     async def _claim(self, key: RecordKey, fingerprint: bytes, lease: float, ttl: float, token: int) -> ClaimResult:
         pool = await self._get_pool()
         args = (key.namespace, key.scope, key.key, fingerprint, token, lease, ttl)
         for _ in range(5):
-            row, _retried = await self._run_again(pool, "fetchrow", self._sql_claim, *args)
+            row, _retried = await self._runner.run_again(pool, "fetchrow", self.sql.claim, *args)
             if row is None:
                 continue  # lost a race our snapshot cannot see (see _sql_claim): read again
             record = None if row[0] else _record(row)
@@ -499,7 +260,7 @@ ORDER BY lease_until LIMIT $2"""
         token = new_token()
         args = (key.namespace, key.scope, key.key, fingerprint, token, lease, ttl, stale_token)
         for _ in range(5):
-            row, _retried = await self._run_again(pool, "fetchrow", self._sql_takeover, *args)
+            row, _retried = await self._runner.run_again(pool, "fetchrow", self.sql.takeover, *args)
             if row is None:
                 continue  # the row changed between our snapshot and the update: read again
             if row[0] == "taken":
@@ -524,29 +285,35 @@ ORDER BY lease_until LIMIT $2"""
             ttl,
             trailers,
         )
-        status, retried = await self._run_again(pool, "execute", self._sql_complete, *args, *payload)
+        status, retried = await self._runner.run_again(pool, "execute", self.sql.complete, *args, *payload)
         if status == "UPDATE 1":
             return True
         if retried:
             # The first attempt may have committed before the connection broke: a record completed
             # under our token can only be our own completion.
-            return bool(await self._run(pool, "fetchval", self._sql_completed_by, *args))
+            return bool(await self._runner.run(pool, "fetchval", self.sql.completed_by, *args))
         return False
 
     async def release(self, key: RecordKey, token: int) -> bool:
         pool = await self._get_pool()
         # Safe to run twice: a second DELETE under the same token finds nothing (False, harmlessly).
-        status, _ = await self._run_again(pool, "execute", self._sql_release, key.namespace, key.scope, key.key, token)
+        status, _ = await self._runner.run_again(
+            pool, "execute", self.sql.release, key.namespace, key.scope, key.key, token
+        )
         return bool(status == "DELETE 1")
 
     async def extend(self, key: RecordKey, token: int, *, lease: float) -> bool:
         pool = await self._get_pool()
-        status = await self._run(pool, "execute", self._sql_extend, key.namespace, key.scope, key.key, token, lease)
+        status = await self._runner.run(
+            pool, "execute", self.sql.extend, key.namespace, key.scope, key.key, token, lease
+        )
         return bool(status == "UPDATE 1")
 
     async def mark_failed(self, key: RecordKey, token: int) -> bool:
         pool = await self._get_pool()
-        status, _ = await self._run_again(pool, "execute", self._sql_fail, key.namespace, key.scope, key.key, token)
+        status, _ = await self._runner.run_again(
+            pool, "execute", self.sql.fail, key.namespace, key.scope, key.key, token
+        )
         return bool(status == "UPDATE 1")
 
     async def checkpoint(self, step: str, *, key: RecordKey | None = None, token: int | None = None) -> None:
@@ -564,13 +331,15 @@ ORDER BY lease_until LIMIT $2"""
             key, token = claim.rkey, claim.token
             assert key is not None
         pool = await self._get_pool()
-        status = await self._run(pool, "execute", self._sql_checkpoint, key.namespace, key.scope, key.key, token, step)
+        status = await self._runner.run(
+            pool, "execute", self.sql.checkpoint, key.namespace, key.scope, key.key, token, step
+        )
         if status != "UPDATE 1":
             raise ClaimLost(f"the claim on key {key.key!r} is no longer held; checkpoint not recorded")
 
     async def get(self, key: RecordKey) -> Record | None:
         pool = await self._get_pool()
-        row = await self._run(pool, "fetchrow", self._sql_get, key.namespace, key.scope, key.key)
+        row = await self._runner.run(pool, "fetchrow", self.sql.get, key.namespace, key.scope, key.key)
         return None if row is None else _record(row)
 
     async def purge(self, batch_size: int = 1000, *, max_batches: int | None = None) -> int:
@@ -586,7 +355,7 @@ ORDER BY lease_until LIMIT $2"""
         total = 0
         batches = 0
         while max_batches is None or batches < max_batches:
-            status = await self._run(pool, "execute", self._sql_purge, batch_size)
+            status = await self._runner.run(pool, "execute", self.sql.purge, batch_size)
             deleted = int(status.rpartition(" ")[2])
             total += deleted
             batches += 1
@@ -605,7 +374,7 @@ ORDER BY lease_until LIMIT $2"""
         only that namespace's records.
         """
         pool = await self._get_pool()
-        rows = await self._run(pool, "fetch", self._sql_stale, float(older_than), limit, namespace)
+        rows = await self._runner.run(pool, "fetch", self.sql.stale, float(older_than), limit, namespace)
         return [StaleRecord(RecordKey.build(row[14], row[15], row[16]), _record(row), row[1] == b"e") for row in rows]
 
     @contextlib.asynccontextmanager
@@ -648,7 +417,7 @@ ORDER BY lease_until LIMIT $2"""
             try:
                 connection = await pool.acquire(timeout=self.timeout)
             except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
-                raise _wrapped(exc, self.table) from exc
+                raise wrapped(exc, self.table) from exc
         reset = _open_connection.set(connection)
         try:
             async with connection.transaction():
@@ -657,7 +426,7 @@ ORDER BY lease_until LIMIT $2"""
                     k = claim.rkey
                     assert k is not None
                     status = await connection.execute(
-                        self._sql_effect, k.namespace, k.scope, k.key, claim.token, timeout=self.timeout
+                        self.sql.effect, k.namespace, k.scope, k.key, claim.token, timeout=self.timeout
                     )
                     if status != "UPDATE 1":
                         raise ClaimLost(
@@ -694,7 +463,9 @@ ORDER BY lease_until LIMIT $2"""
         holder: if that one commits after all, the takeover fails, and the other way round.
         """
         pool = await self._get_pool()
-        state = await self._run(pool, "fetchval", self._sql_holder, key.namespace, key.scope, key.key, record.token)
+        state = await self._runner.run(
+            pool, "fetchval", self.sql.holder, key.namespace, key.scope, key.key, record.token
+        )
         return "run" if state == b"p" else None
 
     # -- claims whose reply was lost -------------------------------------------------------
@@ -707,7 +478,7 @@ ORDER BY lease_until LIMIT $2"""
     async def _abandon_claim(self, entry: tuple[RecordKey, int]) -> bool:
         key, token = entry
         pool = await self._get_pool()
-        status = await self._run(pool, "execute", self._sql_release, key.namespace, key.scope, key.key, token)
+        status = await self._runner.run(pool, "execute", self.sql.release, key.namespace, key.scope, key.key, token)
         if status == "DELETE 1":
             logger.info("idem_asgi: removed an unanswered claim on key %r", key.key)
             return True
@@ -716,68 +487,10 @@ ORDER BY lease_until LIMIT $2"""
     async def aclose(self) -> None:
         """Stop the sweep and close the pool if `from_dsn` made it (after connections still being handed back)."""
         await self._orphans.aclose()
-        if self._releasing:
-            await asyncio.gather(*self._releasing, return_exceptions=True)
+        await self._runner.drain()
         if self._owned and self._pool is not None:
             pool, self._pool = self._pool, None
             await pool.close()
-
-
-async def _release_quietly(pool: Any, conn: Any, turns: _Turns) -> None:
-    # The pool terminates a connection it could not reset in time and re-raises; nobody waits
-    # for this task, so there is nobody to tell.
-    try:
-        with contextlib.suppress(Exception):
-            await pool.release(conn)
-    finally:
-        turns.give_back()
-
-
-class _Turns:
-    """First come, first served turns at the pool's connections, one per connection.
-
-    asyncpg's pool hands a connection coming back to whichever coroutine asks next, not to the one
-    waiting longest (its asyncio.Queue lets a newcomer take the item a woken waiter was promised;
-    MagicStack/asyncpg#1247). With more requests in flight than connections, a few then starve
-    until their timeout while the rest get through: a 503 for a claim, a lost completion
-    (outcome-unknown) for a completion. Taking a turn before the connection makes the wait FIFO:
-    a turn given back goes straight to the oldest waiter, and a newcomer queues behind them.
-    """
-
-    def __init__(self, size: int) -> None:
-        self._free = size
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-
-    async def take(self, within: float) -> None:
-        """Wait for a turn; TimeoutError after `within` seconds."""
-        if self._free > 0 and not self._waiters:
-            self._free -= 1
-            return
-        loop = asyncio.get_running_loop()
-        turn: asyncio.Future[None] = loop.create_future()
-        self._waiters.append(turn)
-
-        def expire() -> None:
-            if not turn.done():
-                turn.set_exception(TimeoutError())
-
-        timer = loop.call_later(within, expire)
-        try:
-            await turn
-        except BaseException:
-            if turn.done() and not turn.cancelled() and turn.exception() is None:
-                self.give_back()  # given a turn just as we were cancelled: pass it on
-            raise
-        finally:
-            timer.cancel()
-
-    def give_back(self) -> None:
-        while self._waiters:
-            turn = self._waiters.popleft()
-            if not turn.done():  # (skips waiters that timed out or were cancelled)
-                turn.set_result(None)
-                return
-        self._free += 1
 
 
 def _record(row: Any) -> Record:
@@ -798,7 +511,3 @@ def _record(row: Any) -> Record:
         holder_failed=state == b"u",
         ttl=row[13],
     )
-
-
-async def _keep_session(connection: Any) -> None:
-    """Pool reset hook that sends nothing: our statements leave no session state to reset."""

@@ -1,0 +1,174 @@
+"""The SQL of `PostgresBackend`: the table's DDL and every statement, built once per table name.
+
+Every value is a bound parameter (`$1`, ...); only the table name (validated and quoted by the
+backend) is written into the text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Final
+
+DDL: Final = """\
+CREATE TABLE IF NOT EXISTS {table} (
+    namespace   text        NOT NULL,
+    scope       text        NOT NULL,
+    key         text        NOT NULL,
+    state       "char"      NOT NULL,            -- 'p' in progress, 'e' in progress with its effect committed
+                                                 -- (see PostgresBackend.transaction), 'u' in progress whose
+                                                 -- holder failed mid-answer (mark_failed), 'c' completed
+    fingerprint bytea       NOT NULL,
+    token       bigint      NOT NULL,            -- fencing token of the current holder
+    lease_until timestamptz NOT NULL,
+    expires_at  timestamptz NOT NULL,
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    status      integer,
+    headers     bytea,                           -- msgpack list of [name, value] byte pairs, in order
+    body        bytea,                           -- response body, verbatim
+    replayable  boolean,
+    checkpoint  text,                            -- the last step the handler recorded (checkpoint())
+    trailers    bytea,                           -- msgpack list of HTTP trailer pairs, NULL when none
+    ttl         float8,                          -- seconds the record was claimed for (reconcile keeps that)
+    PRIMARY KEY (namespace, scope, key)
+);
+ALTER TABLE {table} ADD COLUMN IF NOT EXISTS checkpoint text;
+ALTER TABLE {table} ADD COLUMN IF NOT EXISTS trailers bytea;
+ALTER TABLE {table} ADD COLUMN IF NOT EXISTS ttl float8;
+CREATE INDEX IF NOT EXISTS {expires_index} ON {table} (expires_at);
+CREATE INDEX IF NOT EXISTS {inflight_index} ON {table} (lease_until) WHERE state <> 'c';
+"""
+
+_COLUMNS: Final = (
+    "state, fingerprint, token, extract(epoch from lease_until)::float8 AS lease_until, "
+    "extract(epoch from expires_at)::float8 AS expires_at, status, headers, body, replayable, "
+    "extract(epoch from now())::float8 AS now, checkpoint, trailers, ttl"
+)
+
+
+def index_name(table: str, suffix: str) -> str:
+    """A quoted index name for `table` that stays distinct within Postgres's 63-byte limit."""
+    name = f"{table}_{suffix}"
+    if len(name) > 63:
+        name = f"{table[:40]}_{hashlib.sha256(table.encode()).hexdigest()[:8]}_{suffix}"
+    return f'"{name}"'
+
+
+class Statements:
+    """Every statement of the backend for one (quoted) table name."""
+
+    __slots__ = (
+        "checkpoint",
+        "claim",
+        "complete",
+        "completed_by",
+        "effect",
+        "extend",
+        "fail",
+        "get",
+        "holder",
+        "purge",
+        "release",
+        "stale",
+        "takeover",
+    )
+
+    def __init__(self, table: str) -> None:
+        t = table
+        # Claim-or-read in one statement that takes no lock and writes nothing unless it claims:
+        # `cur` reads the row in the statement's snapshot; a live row is returned as is (a replay
+        # or a 409 is a plain read: no row lock, no transaction id, no WAL flush at commit). With
+        # no row, `ins` inserts; with a free row (TTL over, or the lease of `$8` ended), `upd`
+        # takes it over, its WHERE re-checked on the newest row version. Both arms are exclusive.
+        # The statement returns no row when it lost a race it cannot see: a concurrent insert
+        # that committed after our snapshot (ON CONFLICT DO NOTHING waits for it, then does
+        # nothing, and the row is invisible to `cur`), or a free row another claimer or purge
+        # changed first. The caller then runs it again with a fresh snapshot.
+        free = "(r.expires_at <= now())"  # a claim takes over only a row past its TTL
+        reset = """
+        state = 'p', fingerprint = $4, token = $5, created_at = now(), ttl = $7::float8,
+        lease_until = now() + $6::float8 * interval '1 second', expires_at = now() + $7::float8 * interval '1 second',
+        status = NULL, headers = NULL, body = NULL, replayable = NULL, checkpoint = NULL, trailers = NULL"""
+        self.claim = f"""
+WITH cur AS (
+    SELECT {_COLUMNS}, {free} AS free FROM {t} AS r WHERE namespace = $1 AND scope = $2 AND key = $3
+), ins AS (
+    INSERT INTO {t} (namespace, scope, key, state, fingerprint, token, lease_until, expires_at, ttl)
+    SELECT $1, $2, $3, 'p', $4, $5, now() + $6::float8 * interval '1 second', now() + $7::float8 * interval '1 second',
+           $7::float8
+    WHERE NOT EXISTS (SELECT 1 FROM cur)
+    ON CONFLICT (namespace, scope, key) DO NOTHING
+    RETURNING true
+), upd AS (
+    UPDATE {t} AS r SET {reset}
+    WHERE namespace = $1 AND scope = $2 AND key = $3 AND EXISTS (SELECT 1 FROM cur WHERE free) AND {free}
+    RETURNING true
+)
+SELECT true, NULL::"char", NULL::bytea, NULL::bigint, NULL::float8, NULL::float8,
+       NULL::integer, NULL::bytea, NULL::bytea, NULL::boolean, NULL::float8, NULL::text, NULL::bytea, NULL::float8
+FROM ins
+UNION ALL
+SELECT true, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM upd
+UNION ALL
+SELECT false, state, fingerprint, token, lease_until, expires_at, status, headers, body, replayable, now, checkpoint,
+       trailers, ttl
+FROM cur WHERE NOT free
+"""
+        # A takeover: the same update, of a held record whose lease of `$8` ended, never an insert. 'gone'
+        # when no live record exists (released, or past its TTL): recovery must not resurrect it.
+        held_free = "(r.state IN ('p', 'u') AND r.token = $8 AND r.lease_until <= now() AND r.expires_at > now())"
+        self.takeover = f"""
+WITH cur AS (
+    SELECT {_COLUMNS}, {held_free} AS free, r.expires_at > now() AS live
+    FROM {t} AS r WHERE namespace = $1 AND scope = $2 AND key = $3
+), upd AS (
+    UPDATE {t} AS r SET {reset}
+    WHERE namespace = $1 AND scope = $2 AND key = $3 AND EXISTS (SELECT 1 FROM cur WHERE free) AND {held_free}
+    RETURNING true
+)
+SELECT 'taken'::text, NULL::"char", NULL::bytea, NULL::bigint, NULL::float8, NULL::float8,
+       NULL::integer, NULL::bytea, NULL::bytea, NULL::boolean, NULL::float8, NULL::text, NULL::bytea, NULL::float8
+FROM upd
+UNION ALL
+SELECT 'held', state, fingerprint, token, lease_until, expires_at, status, headers, body, replayable, now, checkpoint,
+       trailers, ttl
+FROM cur WHERE live AND NOT free
+UNION ALL
+SELECT 'gone', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+WHERE NOT EXISTS (SELECT 1 FROM cur WHERE live)
+"""
+        held = "namespace = $1 AND scope = $2 AND key = $3 AND token = $4"
+        where = f"{held} AND state IN ('p', 'e')"
+        self.complete = f"""
+UPDATE {t} SET state = 'c', status = $5, headers = $6, body = $7, replayable = $8, trailers = $10,
+    lease_until = now(), expires_at = now() + $9::float8 * interval '1 second'
+WHERE {where}"""
+        # Never release a record whose effect committed ('e'): a retry must not run it again.
+        self.release = f"DELETE FROM {t} WHERE {held} AND state = 'p'"
+        # Idempotent: a second transaction() block of the same request marks it again, harmlessly.
+        self.effect = f"UPDATE {t} SET state = 'e' WHERE {held} AND state IN ('p', 'e')"
+        self.holder = f"SELECT state FROM {t} WHERE {held}"
+        self.checkpoint = f"UPDATE {t} SET checkpoint = $5 WHERE {where}"
+        self.completed_by = f"""
+SELECT true FROM {t} WHERE namespace = $1 AND scope = $2 AND key = $3 AND token = $4 AND state = 'c'"""
+        # The record outlives its TTL while its holder still runs (renewal), so nobody claims a live key.
+        self.extend = f"""
+UPDATE {t} SET lease_until = greatest(lease_until, now() + $5::float8 * interval '1 second'),
+    expires_at = greatest(expires_at, now() + $5::float8 * interval '1 second') WHERE {where}"""
+        # The holder failed mid-answer: lease over now; 'u' (never released), or 'e' kept as it is.
+        self.fail = f"""
+UPDATE {t} SET lease_until = least(lease_until, now()), state = CASE WHEN state = 'e' THEN 'e' ELSE 'u' END
+WHERE {where}"""
+        self.get = f"""
+SELECT false, {_COLUMNS} FROM {t} WHERE namespace = $1 AND scope = $2 AND key = $3 AND expires_at > now()"""
+        # Row locks are taken by the inner SELECT and skipped when held (a claim re-using an
+        # expired row), so a purge never waits on, nor blocks, live traffic for long. TIDs in an
+        # array make a TID scan, where `ctid IN (subquery)` would scan the whole table per batch.
+        self.purge = f"""
+DELETE FROM {t} WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM {t} WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED
+)) AND expires_at <= now()"""
+        self.stale = f"""
+SELECT false, {_COLUMNS}, namespace, scope, key FROM {t}
+WHERE state <> 'c' AND lease_until <= now() - $1::float8 * interval '1 second' AND expires_at > now()
+  AND ($3::text IS NULL OR namespace = $3)
+ORDER BY lease_until LIMIT $2"""

@@ -1,0 +1,121 @@
+"""The Lua scripts of `RedisBackend`, one per operation, each atomic and judged by the Redis clock.
+
+Record hash fields: `s` state (`p` in progress, `u` holder failed mid-answer, `c` completed), `f`
+fingerprint, `t` fencing token, `l` lease deadline and `e` expiry (ms), `r` response blob, `x`
+TTL (ms), `n`/`o`/`k` namespace, scope, key. Replies with a record are
+`{flag, now, s, f, t, l, e, r, x}`.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+_NOW: Final = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+# KEYS[1]; ARGV: fingerprint, token, lease_ms, ttl_ms, namespace, scope, key (the last three optional:
+# only `stale()` reads them)
+CLAIM: Final = (
+    _NOW
+    + """
+local cur = redis.call('HMGET', KEYS[1], 's', 'f', 't', 'l', 'e', 'r', 'x')
+if cur[1] and cur[3] ~= ARGV[2] then
+  return {0, now, cur[1], cur[2], cur[3], cur[4], cur[5], cur[6], cur[7]}
+end
+if not cur[1] then
+  redis.call('HSET', KEYS[1], 's', 'p', 'f', ARGV[1], 't', ARGV[2], 'l', now + ARGV[3], 'e', now + ARGV[4],
+    'x', ARGV[4])
+  if ARGV[7] then redis.call('HSET', KEYS[1], 'n', ARGV[5], 'o', ARGV[6], 'k', ARGV[7]) end
+  redis.call('PEXPIRE', KEYS[1], ARGV[4])
+end
+return {1, now}
+"""
+)
+
+# KEYS[1]; ARGV: stale token, fingerprint, new token, lease_ms, ttl_ms, namespace, scope, key
+TAKEOVER: Final = (
+    _NOW
+    + """
+local cur = redis.call('HMGET', KEYS[1], 's', 'f', 't', 'l', 'e', 'r', 'x')
+if cur[3] == ARGV[3] then return {1, now} end
+if not cur[1] then return {2, now} end
+if not ((cur[1] == 'p' or cur[1] == 'u') and cur[3] == ARGV[1] and tonumber(cur[4]) <= now) then
+  return {0, now, cur[1], cur[2], cur[3], cur[4], cur[5], cur[6], cur[7]}
+end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 's', 'p', 'f', ARGV[2], 't', ARGV[3], 'l', now + ARGV[4], 'e', now + ARGV[5], 'x', ARGV[5])
+if ARGV[8] then redis.call('HSET', KEYS[1], 'n', ARGV[6], 'o', ARGV[7], 'k', ARGV[8]) end
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+return {1, now}
+"""
+)
+
+# KEYS[1]; ARGV: token, response blob, ttl_ms
+COMPLETE: Final = (
+    _NOW
+    + """
+local cur = redis.call('HMGET', KEYS[1], 's', 't')
+if cur[2] ~= ARGV[1] then return 0 end
+if cur[1] == 'c' then return 1 end
+redis.call('HSET', KEYS[1], 's', 'c', 'r', ARGV[2], 'l', now, 'e', now + ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+)
+
+# KEYS[1]; ARGV: token
+RELEASE: Final = """
+local cur = redis.call('HMGET', KEYS[1], 's', 't')
+if cur[1] ~= 'p' or cur[2] ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+return 1
+"""
+
+# KEYS[1]; ARGV: token. Deletes a claim whose caller never learned it won (so never ran the app).
+# 1 deleted, 0 absent (not landed, or gone), -1 held by another token or completed.
+ABANDON: Final = """
+local cur = redis.call('HMGET', KEYS[1], 's', 't')
+if not cur[1] then return 0 end
+if cur[1] ~= 'p' or cur[2] ~= ARGV[1] then return -1 end
+redis.call('DEL', KEYS[1])
+return 1
+"""
+
+# KEYS[1]; ARGV: token, lease_ms. The record outlives its TTL while its holder still runs.
+EXTEND: Final = (
+    _NOW
+    + """
+local cur = redis.call('HMGET', KEYS[1], 's', 't', 'l', 'e')
+if cur[1] ~= 'p' or cur[2] ~= ARGV[1] then return 0 end
+local deadline = now + ARGV[2]
+if tonumber(cur[3]) < deadline then redis.call('HSET', KEYS[1], 'l', deadline) end
+if tonumber(cur[4]) < deadline then
+  redis.call('HSET', KEYS[1], 'e', deadline)
+  redis.call('PEXPIREAT', KEYS[1], deadline)
+end
+return 1
+"""
+)
+
+# KEYS[1]; ARGV: token. The holder failed mid-answer: lease over now, state 'u' (never released).
+FAIL: Final = (
+    _NOW
+    + """
+local cur = redis.call('HMGET', KEYS[1], 's', 't')
+if cur[1] ~= 'p' or cur[2] ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 's', 'u', 'l', now)
+return 1
+"""
+)
+
+# KEYS[1]
+READ: Final = (
+    _NOW
+    + """
+local cur = redis.call('HMGET', KEYS[1], 's', 'f', 't', 'l', 'e', 'r', 'x')
+if not cur[1] then return {0, now} end
+return {1, now, cur[1], cur[2], cur[3], cur[4], cur[5], cur[6], cur[7]}
+"""
+)
