@@ -32,7 +32,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import anyio
 
@@ -53,6 +53,7 @@ __all__ = [
     "was_replayed",
 ]
 
+T = TypeVar("T")
 KEY_EXTENSION = "idempotency_key"
 """`response.extensions[KEY_EXTENSION]` is the key the call used, so callers can log or persist it."""
 
@@ -78,13 +79,14 @@ class _Rules:
 
     def __init__(
         self,
-        methods: Iterable[str],
-        header: str,
-        max_attempts: int,
-        total_timeout: float,
-        backoff_base: float,
-        backoff_cap: float,
-        key_factory: Callable[[], str],
+        *,
+        methods: Iterable[str] = ("POST", "PATCH"),
+        header: str = "Idempotency-Key",
+        max_attempts: int = 5,
+        total_timeout: float = 30.0,
+        backoff_base: float = 0.1,
+        backoff_cap: float = 5.0,
+        key_factory: Callable[[], str] = new_key,
         replay_header: str = "Idempotent-Replayed",
     ) -> None:
         if max_attempts < 1:
@@ -208,7 +210,41 @@ def _finish(response: httpx.Response, key: str, attempt: int) -> httpx.Response:
     return response
 
 
-class IdempotentRetryTransport(httpx.AsyncBaseTransport):
+class _Keyed(Generic[T]):
+    """The settings both transports take; see `IdempotentRetryTransport` for what each means."""
+
+    def __init__(
+        self,
+        inner: T | None = None,
+        *,
+        methods: Iterable[str] = ("POST", "PATCH"),
+        header: str = "Idempotency-Key",
+        max_attempts: int = 5,
+        total_timeout: float = 30.0,
+        backoff_base: float = 0.1,
+        backoff_cap: float = 5.0,
+        key_factory: Callable[[], str] = new_key,
+        replay_header: str = "Idempotent-Replayed",
+    ) -> None:
+        """Validate the rules now, so a bad setting fails at start-up rather than on the first payment."""
+        self._rules = _Rules(
+            methods=methods,
+            header=header,
+            max_attempts=max_attempts,
+            total_timeout=total_timeout,
+            backoff_base=backoff_base,
+            backoff_cap=backoff_cap,
+            key_factory=key_factory,
+            replay_header=replay_header,
+        )
+        self._inner: T = inner if inner is not None else self._default()
+
+    @staticmethod
+    def _default() -> T:  # pragma: no cover - each transport defines its own
+        raise NotImplementedError
+
+
+class IdempotentRetryTransport(_Keyed[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport):
     """Wraps an async transport so each logical call has one key and safe, bounded retries.
 
     Args:
@@ -226,24 +262,9 @@ class IdempotentRetryTransport(httpx.AsyncBaseTransport):
         replay_header: The header the server marks replays with; a replayed answer is never retried.
     """
 
-    def __init__(
-        self,
-        inner: httpx.AsyncBaseTransport | None = None,
-        *,
-        methods: Iterable[str] = ("POST", "PATCH"),
-        header: str = "Idempotency-Key",
-        max_attempts: int = 5,
-        total_timeout: float = 30.0,
-        backoff_base: float = 0.1,
-        backoff_cap: float = 5.0,
-        key_factory: Callable[[], str] = new_key,
-        replay_header: str = "Idempotent-Replayed",
-    ) -> None:
-        """Validate the rules now, so a bad setting fails at start-up rather than on the first payment."""
-        self._rules = _Rules(
-            methods, header, max_attempts, total_timeout, backoff_base, backoff_cap, key_factory, replay_header
-        )
-        self._inner = inner if inner is not None else httpx.AsyncHTTPTransport()
+    @staticmethod
+    def _default() -> httpx.AsyncBaseTransport:
+        return httpx.AsyncHTTPTransport()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         """Send one logical call: key it once, then attempt until an answer is final or the budget is spent."""
@@ -316,7 +337,7 @@ class IdempotentRetryTransport(httpx.AsyncBaseTransport):
         await self._inner.aclose()
 
 
-class IdempotentRetrySyncTransport(httpx.BaseTransport):
+class IdempotentRetrySyncTransport(_Keyed[httpx.BaseTransport], httpx.BaseTransport):
     """The same rules for `httpx.Client`.
 
     Args:
@@ -332,24 +353,9 @@ class IdempotentRetrySyncTransport(httpx.BaseTransport):
         replay_header: The header the server marks replays with; a replayed answer is never retried.
     """
 
-    def __init__(
-        self,
-        inner: httpx.BaseTransport | None = None,
-        *,
-        methods: Iterable[str] = ("POST", "PATCH"),
-        header: str = "Idempotency-Key",
-        max_attempts: int = 5,
-        total_timeout: float = 30.0,
-        backoff_base: float = 0.1,
-        backoff_cap: float = 5.0,
-        key_factory: Callable[[], str] = new_key,
-        replay_header: str = "Idempotent-Replayed",
-    ) -> None:
-        """Validate the rules now, so a bad setting fails at start-up rather than on the first payment."""
-        self._rules = _Rules(
-            methods, header, max_attempts, total_timeout, backoff_base, backoff_cap, key_factory, replay_header
-        )
-        self._inner = inner if inner is not None else httpx.HTTPTransport()
+    @staticmethod
+    def _default() -> httpx.BaseTransport:
+        return httpx.HTTPTransport()
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         """Send one logical call: key it once, then attempt until an answer is final or the budget is spent."""

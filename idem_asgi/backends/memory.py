@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import msgspec
+
 from ..errors import ConfigurationError, StoreFull
 from ..records import (
     COMPLETED,
@@ -219,19 +221,9 @@ class MemoryBackend(ClosingMixin):
             if rec is None or rec.holder_failed:
                 return False
             deadline = now + lease
-            self._set(
-                key.digest,
-                Record(
-                    IN_PROGRESS,
-                    rec.fingerprint,
-                    token,
-                    max(rec.lease_until, deadline),
-                    max(rec.expires_at, deadline),  # a holder running past its TTL keeps its key
-                    checkpoint=rec.checkpoint,
-                    effect_committed=rec.effect_committed,
-                    ttl=rec.ttl,
-                ),
-            )
+            # (and the record outlives its TTL while its holder still runs: it keeps its key)
+            lease_until, expires_at = max(rec.lease_until, deadline), max(rec.expires_at, deadline)
+            self._set(key.digest, msgspec.structs.replace(rec, lease_until=lease_until, expires_at=expires_at))
             return True
 
     async def mark_failed(self, key: RecordKey, token: int) -> bool:
@@ -240,20 +232,8 @@ class MemoryBackend(ClosingMixin):
             rec = self._held(key, token, now)
             if rec is None:
                 return False
-            self._set(
-                key.digest,
-                Record(
-                    IN_PROGRESS,
-                    rec.fingerprint,
-                    token,
-                    min(rec.lease_until, now),
-                    rec.expires_at,
-                    checkpoint=rec.checkpoint,
-                    effect_committed=rec.effect_committed,
-                    holder_failed=True,
-                    ttl=rec.ttl,
-                ),
-            )
+            failed = msgspec.structs.replace(rec, lease_until=min(rec.lease_until, now), holder_failed=True)
+            self._set(key.digest, failed)
             return True
 
     async def get(self, key: RecordKey) -> Record | None:

@@ -194,55 +194,10 @@ class _Storm:
         hang_at_send: asyncio.Event | None = None,
         on_last_chunk: Callable[[], None] | None = None,
     ) -> Answer:
-        """One raw ASGI call. The client waits for the whole answer before it "hangs up" (so apps
-        that listen for a disconnect are not cut short), unless it disconnects mid-body. With `lost`,
-        the connection is gone once the body was sent: every `send` raises `OSError`, as a server's
-        does for a client that left, and the client gets nothing."""
+        """One raw ASGI call through a simulated client (see `_Client`); returns its classified answer."""
         body = self.request.body if body is None else body
-        scope = self.scope(key, len(body))
-        answered = asyncio.Event()
-        half = len(body) // 2
-        pending: list[Message] = (
-            [{"type": "http.request", "body": body[:half], "more_body": True}]
-            if disconnect_mid_body
-            else [{"type": "http.request", "body": body, "more_body": False}]
-        )
-        chunks: list[bytes] = []
-        answer.lost = lost
-        if lost:
-            answered.set()  # the client is gone: a `receive` after the body is a disconnect
-
-        async def receive() -> Message:
-            if pending:
-                # The body "arrives from the network": every request of a storm reaches the app before
-                # any of them gets its body, so the concurrent requests really overlap.
-                await asyncio.sleep(0)
-                return pending.pop(0)
-            if not disconnect_mid_body:
-                await answered.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message: Message) -> None:
-            if lost:
-                await asyncio.sleep(0)
-                raise OSError("connection reset by peer (the answer is lost: injected by idem_asgi.testing)")
-            kind = message["type"]
-            if kind == "http.response.start" and answer.status is None:
-                answer.status = int(message["status"])
-                answer.headers = [(bytes(k), bytes(v)) for k, v in message.get("headers", ())]
-            elif kind == "http.response.body" and not answer.complete:
-                chunks.append(bytes(message.get("body", b"")))
-                if not message.get("more_body", False):
-                    answer.complete = True
-                    answered.set()
-                    if on_last_chunk is not None:
-                        on_last_chunk()
-            if hang_at_send is not None:
-                hang_at_send.set()
-                await asyncio.Event().wait()  # the client stalls here until the storm cancels the request
-            await asyncio.sleep(0)  # writing to a socket lets other requests run
-
-        call = asyncio.ensure_future(self.app(scope, receive, send))
+        client = _Client(answer, body, disconnect_mid_body, lost, hang_at_send, on_last_chunk)
+        call = asyncio.ensure_future(self.app(self.scope(key, len(body)), client.receive, client.send))
         try:
             done, _ = await asyncio.wait({call}, timeout=None if hang_at_send is not None else self.timeout)
             if not done:
@@ -255,8 +210,7 @@ class _Storm:
             await asyncio.wait({call})
             raise
         finally:
-            answered.set()
-            answer.body = b"".join(chunks)
+            client.finish()
             if call.done():
                 if call.cancelled():
                     answer.cancelled = not answer.timed_out
@@ -306,6 +260,73 @@ class _Storm:
         if expected != got:
             return f"headers {got!r} != {expected!r}"
         return None
+
+
+class _Client:
+    """One simulated client: it sends the body, then waits for the whole answer before it "hangs up"
+    (so apps that listen for a disconnect are not cut short), unless it disconnects mid-body. With
+    `lost`, the connection is gone once the body was sent: every `send` raises `OSError`, as a
+    server's does for a client that left, and the client gets nothing."""
+
+    def __init__(
+        self,
+        answer: Answer,
+        body: bytes,
+        disconnect_mid_body: bool,
+        lost: bool,
+        hang_at_send: asyncio.Event | None,
+        on_last_chunk: Callable[[], None] | None,
+    ) -> None:
+        self.answer = answer
+        self.disconnect_mid_body = disconnect_mid_body
+        self.lost = answer.lost = lost
+        self.hang_at_send = hang_at_send
+        self.on_last_chunk = on_last_chunk
+        self.answered = asyncio.Event()
+        if lost:
+            self.answered.set()  # the client is gone: a `receive` after the body is a disconnect
+        half = len(body) // 2
+        self.pending: list[Message] = (
+            [{"type": "http.request", "body": body[:half], "more_body": True}]
+            if disconnect_mid_body
+            else [{"type": "http.request", "body": body, "more_body": False}]
+        )
+        self.chunks: list[bytes] = []
+
+    async def receive(self) -> Message:
+        if self.pending:
+            # The body "arrives from the network": every request of a storm reaches the app before
+            # any of them gets its body, so the concurrent requests really overlap.
+            await asyncio.sleep(0)
+            return self.pending.pop(0)
+        if not self.disconnect_mid_body:
+            await self.answered.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: Message) -> None:
+        if self.lost:
+            await asyncio.sleep(0)
+            raise OSError("connection reset by peer (the answer is lost: injected by idem_asgi.testing)")
+        answer, kind = self.answer, message["type"]
+        if kind == "http.response.start" and answer.status is None:
+            answer.status = int(message["status"])
+            answer.headers = [(bytes(k), bytes(v)) for k, v in message.get("headers", ())]
+        elif kind == "http.response.body" and not answer.complete:
+            self.chunks.append(bytes(message.get("body", b"")))
+            if not message.get("more_body", False):
+                answer.complete = True
+                self.answered.set()
+                if self.on_last_chunk is not None:
+                    self.on_last_chunk()
+        if self.hang_at_send is not None:
+            self.hang_at_send.set()
+            await asyncio.Event().wait()  # the client stalls here until the storm cancels the request
+        await asyncio.sleep(0)  # writing to a socket lets other requests run
+
+    def finish(self) -> None:
+        """The call is over: release a waiting `receive`, and keep what arrived."""
+        self.answered.set()
+        self.answer.body = b"".join(self.chunks)
 
 
 def _problem_slug(a: Answer) -> str | None:

@@ -70,6 +70,27 @@ async def storm(
         raise ValueError(f"unknown fault(s) {bad_faults}; choose from {list(FAULTS)}")
     if concurrency < 1 or repeats < 0 or workers < 1:
         raise ValueError("concurrency and workers must be at least 1, and repeats at least 0")
+    request = _request_of(method, path, body, json, headers)
+    prefix = key or f"storm-{uuid.uuid4().hex[:8]}"
+    report = StormReport(request.method, path)
+    run = _Storm(
+        app, request, probe, key_header=key_header, replay_header=replay_header, request_timeout=request_timeout
+    )
+    targets = _targets(app, middleware, backend)
+    _configure(run, report, targets)
+    _per_process(report, targets, workers)
+    with run.instrumented(targets, backend):
+        report.keys.append(await _storm_key(run, prefix, concurrency, repeats, mismatch))
+        for fault in FAULTS:
+            if fault in faults:
+                report.keys.append(await SCENARIOS[fault](run, f"{prefix}-{fault}", max(repeats, 1)))
+    return report
+
+
+def _request_of(
+    method: str, path: str, body: bytes | str, json: Any, headers: Mapping[str, str] | Sequence[tuple[str, str]]
+) -> _Request:
+    """The storm's request: headers encoded, the body (JSON gets its content-type), the query split off."""
     raw_headers = list(headers.items()) if isinstance(headers, Mapping) else list(headers)
     encoded = tuple((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in raw_headers)
     if json is not None:
@@ -79,27 +100,17 @@ async def storm(
     else:
         payload = body.encode() if isinstance(body, str) else bytes(body)
     route, _, query = path.partition("?")
-    request = _Request(method.upper(), route, query.encode("latin-1"), encoded, payload)
-    prefix = key or f"storm-{uuid.uuid4().hex[:8]}"
+    return _Request(method.upper(), route, query.encode("latin-1"), encoded, payload)
 
-    report = StormReport(request.method, path)
-    run = _Storm(
-        app, request, probe, key_header=key_header, replay_header=replay_header, request_timeout=request_timeout
-    )
+
+def _targets(
+    app: ASGIApp, middleware: IdempotencyMiddleware | Sequence[IdempotencyMiddleware] | None, backend: Backend | None
+) -> list[IdempotencyMiddleware]:
+    """The middleware instances the storm instruments: given, or found in `app`; those of `backend` only."""
     if middleware is None:
         targets = find_middleware(app)
     elif isinstance(middleware, IdempotencyMiddleware):
         targets = [middleware]
     else:
         targets = list(middleware)
-    if backend is not None:
-        targets = [m for m in targets if m.backend is backend]
-    _configure(run, report, targets)
-    _per_process(report, targets, workers)
-
-    with run.instrumented(targets, backend):
-        report.keys.append(await _storm_key(run, prefix, concurrency, repeats, mismatch))
-        for fault in FAULTS:
-            if fault in faults:
-                report.keys.append(await SCENARIOS[fault](run, f"{prefix}-{fault}", max(repeats, 1)))
-    return report
+    return targets if backend is None else [m for m in targets if m.backend is backend]
