@@ -6,7 +6,7 @@ from collections.abc import Awaitable, Callable
 from typing import Final
 
 from ._types import ASGIApp, Message, Receive, Scope, Send
-from .context import STATE_KEY, IdempotencyInfo, _current
+from .context import STATE_KEY, IdempotencyInfo, serving
 
 HIDDEN_EXTENSIONS: Final = ("http.response.pathsend", "http.response.zerocopysend")
 """Extensions that would let a body bypass `send` (and so the recording): hidden on protected requests."""
@@ -96,8 +96,5 @@ async def run_unclaimed(app: ASGIApp, scope: Scope, receive: Receive, send: Send
     if state is None:
         state = scope["state"] = {}
     state[STATE_KEY] = info
-    reset = _current.set(info)
-    try:
+    with serving(info):
         await app(scope, receive, send)
-    finally:
-        _current.reset(reset)

@@ -30,7 +30,7 @@ from ._capture import Capture
 from ._decide import Action, decide
 from ._logging import redact, store_failed, throttled
 from ._types import Receive, Scope, Send
-from .context import STATE_KEY, IdempotencyInfo, _current
+from .context import STATE_KEY, IdempotencyInfo, serving
 from .errors import BackendMisconfigured, StoreFull
 from .keys import route_key
 from .observe import EventName
@@ -283,11 +283,10 @@ class Protected:
         self.renewal = mw.leases.hold(route, rkey, token)
         capture = Capture(self.send, self._on_final, excluded=route.excluded, limit=route.max_stored_body)
         info = IdempotencyInfo(self.key, self.owner, self)
-        reset = _current.set(info)
+        receive = holding_disconnect(self.body, self.receive, capture.wait_finished)
         try:
-            await mw.app(
-                self._app_scope(info), holding_disconnect(self.body, self.receive, capture.wait_finished), capture
-            )
+            with serving(info):
+                await mw.app(self._app_scope(info), receive, capture)
         except Exception:
             if not capture.finished:
                 with anyio.CancelScope(shield=True):
@@ -301,7 +300,6 @@ class Protected:
         finally:
             self._stop()
             capture.wake()
-            _current.reset(reset)
         if not capture.finished:
             await self._unfinished(capture, cancelled=False)
 

@@ -92,6 +92,16 @@ def current_idempotency() -> IdempotencyInfo | None:
     return _current.get()
 
 
+@contextmanager
+def serving(info: IdempotencyInfo) -> Iterator[IdempotencyInfo]:
+    """Make `info` what `current_idempotency()` returns for this block (the middleware, while the app runs)."""
+    reset = _current.set(info)
+    try:
+        yield info
+    finally:
+        _current.reset(reset)
+
+
 class HeldClaim:
     """A claim made outside the middleware (a job, a test), as a `ClaimHandle` for `held_claim`."""
 
@@ -127,9 +137,8 @@ def held_claim(backend: Backend, rkey: RecordKey, token: int) -> Iterator[HeldCl
     a handler behind the middleware; after it, they act for none.
     """
     claim = HeldClaim(backend, rkey, token)
-    reset = _current.set(IdempotencyInfo(rkey.key, rkey.scope or None, claim))
     try:
-        yield claim
+        with serving(IdempotencyInfo(rkey.key, rkey.scope or None, claim)):
+            yield claim
     finally:
         claim.active = False
-        _current.reset(reset)

@@ -133,6 +133,20 @@ class IdempotencyMiddleware:
         """The route policies, as given (used by `add_openapi`)."""
         return [r.policy for r in self.routes]
 
+    def use_backend(self, backend: Backend) -> Backend:
+        """Serve from `backend` from now on and return the store used before (test tools wrap it).
+
+        Every part of the middleware (claims, lease renewal, answers written later) reads the store
+        at each call, so the swap reaches all of them at once.
+        """
+        previous, self.backend = self.backend, backend
+        return previous
+
+    def use_app(self, app: ASGIApp) -> ASGIApp:
+        """Protect `app` from now on and return the app protected before (test tools wrap it)."""
+        previous, self.app = self.app, app
+        return previous
+
     def route_for(self, method: str, path: str) -> Route | None:
         """The compiled policy protecting `method` on `path` (relative to the mount), or None."""
         return self.table.match(path, method.upper())

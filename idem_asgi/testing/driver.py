@@ -21,7 +21,7 @@ from ..middleware import IdempotencyMiddleware
 from ..policy import DEFAULT_EXCLUDED_HEADERS
 from ..problems import TYPE_PREFIX
 from ..records import RecordKey, StoredResponse
-from .inject import InjectedAppFailure, InjectedStoreFailure, _FailingStore, _fire, _not_injected
+from .inject import FailingStore, InjectedAppFailure, InjectedStoreFailure, fire, not_injected
 from .report import Answer, KeyReport
 
 ProbeValue = int | Mapping[str, int]
@@ -34,7 +34,7 @@ _TESTING_DIR: Final = os.path.dirname(os.path.abspath(__file__))  # this package
 
 
 @dataclass(frozen=True)
-class _Request:
+class StormRequest:
     method: str
     path: str
     query: bytes
@@ -42,11 +42,11 @@ class _Request:
     body: bytes
 
 
-class _Storm:
+class Storm:
     def __init__(
         self,
         app: ASGIApp,
-        request: _Request,
+        request: StormRequest,
         probe: Probe,
         *,
         key_header: str,
@@ -78,22 +78,22 @@ class _Storm:
         saved: list[tuple[IdempotencyMiddleware, Backend, ASGIApp]] = []
         patched_backend = False
         logger = logging.getLogger("idem_asgi")
-        logger.addFilter(_not_injected)
+        logger.addFilter(not_injected)
         try:
             for mw in targets:
                 saved.append((mw, mw.backend, mw.app))
-                mw.backend = _FailingStore(mw.backend, self.armed, self.fired, self.writing)
-                mw.app = self._marking(mw.app)
+                mw.use_backend(FailingStore(mw.backend, self.armed, self.fired, self.writing))
+                mw.use_app(self._marking(mw.app))
             self.injectable = bool(targets)
             if not targets and backend is not None:
                 patched_backend = self._patch_backend(backend)
                 self.injectable = patched_backend
             yield
         finally:
-            logger.removeFilter(_not_injected)
+            logger.removeFilter(not_injected)
             for mw, store, inner in saved:
-                mw.backend = store
-                mw.app = inner
+                mw.use_backend(store)
+                mw.use_app(inner)
             if patched_backend:
                 vars(backend).pop("complete", None)
 
@@ -103,7 +103,7 @@ class _Storm:
         armed, fired = self.armed, self.fired
 
         async def complete(key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
-            if _fire(key, armed, fired):
+            if fire(key, armed, fired):
                 raise InjectedStoreFailure("store failed after the claim (injected by idem_asgi.testing)")
             return await original(key, token, response, ttl=ttl)
 
@@ -342,7 +342,7 @@ def _problem_slug(a: Answer) -> str | None:
     return None
 
 
-def _n(count: int, noun: str) -> str:
+def plural(count: int, noun: str) -> str:
     """`1 time`, `2 times`, `1 retry`, `5 retries`."""
     if count == 1:
         return f"1 {noun}"
@@ -353,7 +353,7 @@ def _short(body: bytes, limit: int = 80) -> str:
     return repr(body) if len(body) <= limit else repr(body[:limit]) + f"... ({len(body)} bytes)"
 
 
-def _changed(body: bytes) -> bytes:
+def changed(body: bytes) -> bytes:
     """Another request's body: a JSON object gets one more field, anything else one more suffix."""
     try:
         value = _json.loads(body)
@@ -365,13 +365,13 @@ def _changed(body: bytes) -> bytes:
     return body + b"-changed" if body else b"changed"
 
 
-def _summary(answers: Iterable[Answer]) -> str:
+def summary(answers: Iterable[Answer]) -> str:
     counts = Counter(a.label for a in answers)
     return ", ".join(f"{label} x{n}" for label, n in counts.items())
 
 
-def _unexpected(kr: KeyReport, phase: str, allowed: Callable[[Answer], bool], what: str) -> None:
+def unexpected(kr: KeyReport, phase: str, allowed: Callable[[Answer], bool], what: str) -> None:
     bad = [a for a in kr.answers if a.phase == phase and a.kind != "middleware-error" and not a.timed_out]
     bad = [a for a in bad if not allowed(a)]
     if bad:
-        kr.problems.append(f"{phase} requests got {_summary(bad)}; expected {what}")
+        kr.problems.append(f"{phase} requests got {summary(bad)}; expected {what}")

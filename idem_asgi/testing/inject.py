@@ -16,13 +16,13 @@ class InjectedStoreFailure(BackendUnavailable):
     """The store failure `storm()` injects; the middleware's log records about it are filtered out."""
 
 
-def _not_injected(record: logging.LogRecord) -> bool:
+def not_injected(record: logging.LogRecord) -> bool:
     """A logging filter dropping the middleware's (expected) complaints about the injected failure."""
     causes = [record.exc_info[1] if record.exc_info else None, *(record.args if isinstance(record.args, tuple) else ())]
     return not any(isinstance(c, InjectedStoreFailure) for c in causes)
 
 
-class _FailingStore:
+class FailingStore:
     """A Backend wrapper whose `complete` raises BackendUnavailable once for each armed key."""
 
     def __init__(
@@ -43,7 +43,7 @@ class _FailingStore:
         return await self.inner.takeover(key, stale_token, fingerprint, lease=lease, ttl=ttl)
 
     async def complete(self, key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
-        if _fire(key, self._armed, self._fired):
+        if fire(key, self._armed, self._fired):
             raise InjectedStoreFailure("store failed after the claim (injected by idem_asgi.testing)")
         starting = self._writing.pop(key.key, None)
         if starting is not None:
@@ -75,7 +75,7 @@ class InjectedAppFailure(IdemError, RuntimeError):
     """The handler failure `storm()` injects (fault `app_fails_before_effect`), before the app runs."""
 
 
-def _fire(key: RecordKey, armed: set[str], fired: set[str]) -> bool:
+def fire(key: RecordKey, armed: set[str], fired: set[str]) -> bool:
     if key.key in armed and key.key not in fired:
         fired.add(key.key)
         return True

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 from ..middleware import IdempotencyMiddleware
-from .driver import _changed, _n, _Storm, _summary, _unexpected
+from .driver import Storm, changed, plural, summary, unexpected
 from .report import Answer, KeyReport, StormReport
 
 FAULTS: Final = (
@@ -25,7 +25,7 @@ FAULTS: Final = (
 DISABLE_ENV: Final = "IDEM_ASGI_DISABLED"
 
 
-def _configure(run: _Storm, report: StormReport, targets: Sequence[IdempotencyMiddleware]) -> None:
+def configure(run: Storm, report: StormReport, targets: Sequence[IdempotencyMiddleware]) -> None:
     """Take the replay-comparison rules from the middleware serving the path, and collect hints."""
     if os.environ.get(DISABLE_ENV):
         report.hints.append(f"{DISABLE_ENV} is set in this process: idempotency is off in every middleware built now")
@@ -45,7 +45,7 @@ def _configure(run: _Storm, report: StormReport, targets: Sequence[IdempotencyMi
         report.hints.append(f"no RoutePolicy of the IdempotencyMiddleware matches {request.method} {request.path}")
 
 
-def _per_process(report: StormReport, targets: Sequence[IdempotencyMiddleware], workers: int) -> None:
+def per_process(report: StormReport, targets: Sequence[IdempotencyMiddleware], workers: int) -> None:
     """A store each process keeps for itself cannot hold the contract across several workers."""
     from ..backends.memory import MemoryBackend
 
@@ -66,26 +66,27 @@ def _executions(kr: KeyReport, before: int, after: int) -> None:
     if kr.executions > kr.expected_max:
         kr.problems.insert(
             0,
-            f"the handler ran {_n(kr.executions, 'time')} for one key; the contract allows {kr.expected}",
+            f"the handler ran {plural(kr.executions, 'time')} for one key; the contract allows {kr.expected}",
         )
         effectful = [a for a in kr.answers if a.kind == "failed" and a.effect]
         if effectful:
             kr.problems.insert(
                 1,
-                f"{_n(len(effectful), 'request')} had the effect (the probe moved) and then failed "
-                f"({_summary(effectful)}): the claim was released and a retry ran it again. Call "
+                f"{plural(len(effectful), 'request')} had the effect (the probe moved) and then failed "
+                f"({summary(effectful)}): the claim was released and a retry ran it again. Call "
                 "request.state.idempotency.mark_effect() right after the effect, so a later failure keeps the "
                 "claim (outcome-unknown) instead",
             )
     elif kr.executions < kr.expected_min:
         kr.problems.insert(
             0,
-            f"the handler ran {_n(kr.executions, 'time')} but the app answered {_n(kr.expected_min, 'request')} with "
-            "success: does the probe count this endpoint's executions (read live, not a copy)?",
+            f"the handler ran {plural(kr.executions, 'time')} but the app answered "
+            f"{plural(kr.expected_min, 'request')} with success: does the probe count this endpoint's executions "
+            "(read live, not a copy)?",
         )
 
 
-def _judge(run: _Storm, kr: KeyReport) -> Answer | None:
+def _judge(run: Storm, kr: KeyReport) -> Answer | None:
     """Checks every scenario shares; sets the allowed executions; returns the first answer."""
     for a in kr.answers:
         if a.kind == "middleware-error":
@@ -94,7 +95,7 @@ def _judge(run: _Storm, kr: KeyReport) -> Answer | None:
     failed = [a for a in kr.answers if a.kind == "failed"]
     if len(runs) > 1:
         kr.problems.append(
-            f"{len(runs)} requests got a first answer from the app ({_summary(runs)}): expected one; every "
+            f"{len(runs)} requests got a first answer from the app ({summary(runs)}): expected one; every "
             f"other one must be a replay marked {run.replay_header_name}: true, or a 409"
         )
     first = runs[0] if runs else None
@@ -104,14 +105,14 @@ def _judge(run: _Storm, kr: KeyReport) -> Answer | None:
     before_effect = [a for a in failed if not a.effect]  # effect 0, or unknown (concurrent requests)
     if failed:
         kr.notes.append(
-            f"the app itself failed {_n(len(failed), 'time')} ({_summary(failed)}): its own error; a failure "
+            f"the app itself failed {plural(len(failed), 'time')} ({summary(failed)}): its own error; a failure "
             "before any effect is released and a retry may run again"
         )
     kr.expected_min = 1 if first is not None and first.status is not None and 200 <= first.status < 300 else 0
     hung = [a for a in kr.answers if a.timed_out]  # may have run before it was cut off
     if hung:
         phases = ", ".join(sorted({a.phase for a in hung}))
-        kr.problems.append(f"{_n(len(hung), 'request')} ({phases}) got no answer within {run.timeout:g}s: hung")
+        kr.problems.append(f"{plural(len(hung), 'request')} ({phases}) got no answer within {run.timeout:g}s: hung")
     kr.expected_max = (1 if first is not None or effectful else 0) + len(before_effect) + len(hung)
     replays = [a for a in kr.answers if a.kind == "replay"]
     base = first or (replays[0] if replays else None)
@@ -134,7 +135,7 @@ def _in_progress(a: Answer) -> bool:
     return a.label.startswith(("409 request-in-progress", "409 outcome-unknown"))
 
 
-async def _sequential(run: _Storm, kr: KeyReport, phase: str, n: int, **kwargs: Any) -> None:
+async def _sequential(run: Storm, kr: KeyReport, phase: str, n: int, **kwargs: Any) -> None:
     """`n` requests one after another, each with the probe's movement during it (`Answer.effect`)."""
     for _ in range(n):
         before = await run.count(kr.key)
@@ -143,36 +144,37 @@ async def _sequential(run: _Storm, kr: KeyReport, phase: str, n: int, **kwargs: 
         kr.answers.append(answer)
 
 
-async def _storm_key(run: _Storm, key: str, concurrency: int, repeats: int, mismatch: bool) -> KeyReport:
-    what = f"{concurrency} concurrent identical requests, then {_n(repeats, 'repeat')}"
+async def storm_key(run: Storm, key: str, concurrency: int, repeats: int, mismatch: bool) -> KeyReport:
+    what = f"{concurrency} concurrent identical requests, then {plural(repeats, 'repeat')}"
     kr = KeyReport(key, "storm", what + (", then the same key with a changed body" if mismatch else ""))
     before = await run.count(key)
     kr.answers += await asyncio.gather(*(run.drive(key, Answer("concurrent")) for _ in range(concurrency)))
     await _sequential(run, kr, "repeat", repeats)
     first = next((a for a in kr.answers if a.kind == "run"), None)
     if mismatch and first is not None:
-        await _sequential(run, kr, "mismatch", 1, body=_changed(run.request.body))
+        await _sequential(run, kr, "mismatch", 1, body=changed(run.request.body))
     elif mismatch:
         kr.notes.append("no answer was stored for this key, so the changed-body request was not sent")
     first = _judge(run, kr)
     _executions(kr, before, await run.count(key))
-    _unexpected(
+    unexpected(
         kr,
         "concurrent",
         lambda a: a.kind in ("run", "failed", "replay") or _in_progress(a),
         "the app's answer, replays, or 409 request-in-progress",
     )
     if first is not None:
-        _unexpected(kr, "repeat", _stored, "replays of the first answer")
-    _unexpected(kr, "mismatch", lambda a: a.label == "422 fingerprint-mismatch", "422 fingerprint-mismatch")
+        unexpected(kr, "repeat", _stored, "replays of the first answer")
+    unexpected(kr, "mismatch", lambda a: a.label == "422 fingerprint-mismatch", "422 fingerprint-mismatch")
     return kr
 
 
-async def _disconnect(run: _Storm, key: str, repeats: int) -> KeyReport:
+async def _disconnect(run: Storm, key: str, repeats: int) -> KeyReport:
     kr = KeyReport(
         key,
         "disconnect_mid_body",
-        f"the client leaves with half its body sent, then retries with the whole body, then {_n(repeats, 'repeat')}",
+        "the client leaves with half its body sent, then retries with the whole body, then "
+        f"{plural(repeats, 'repeat')}",
     )
     before = await run.count(key)
     await _sequential(run, kr, "disconnect", 1, disconnect_mid_body=True)
@@ -186,7 +188,7 @@ async def _disconnect(run: _Storm, key: str, repeats: int) -> KeyReport:
     _executions(kr, before, await run.count(key))
     if early or kr.answers[0].kind == "run":
         kr.problems.append(
-            f"the handler ran {_n(early, 'time')} for the request whose client left mid-body "
+            f"the handler ran {plural(early, 'time')} for the request whose client left mid-body "
             f"({kr.answers[0].label}): nothing may run before the whole body has arrived"
         )
     retry = kr.answers[1]
@@ -195,13 +197,13 @@ async def _disconnect(run: _Storm, key: str, repeats: int) -> KeyReport:
     elif retry.kind not in ("run", "failed", "middleware-error"):
         kr.problems.append(f"the retry got {retry.label}: a client that left mid-body must leave nothing claimed")
     if retry.kind == "run":
-        _unexpected(kr, "repeat", _stored, "replays of the retry's answer")
+        unexpected(kr, "repeat", _stored, "replays of the retry's answer")
     return kr
 
 
-async def _cancel_first(run: _Storm, key: str, repeats: int) -> KeyReport:
+async def _cancel_first(run: Storm, key: str, repeats: int) -> KeyReport:
     kr = KeyReport(
-        key, "cancel_first", f"the first request's task is cancelled mid-flight, then {_n(repeats, 'retry')}"
+        key, "cancel_first", f"the first request's task is cancelled mid-flight, then {plural(repeats, 'retry')}"
     )
     loop = asyncio.get_running_loop()
     before = await run.count(key)
@@ -228,7 +230,7 @@ async def _cancel_first(run: _Storm, key: str, repeats: int) -> KeyReport:
     if first.kind == "failed":
         kr.notes.append("the app had already failed when it was cancelled: the claim may be released")
     elif first.cancelled:
-        _unexpected(
+        unexpected(
             kr,
             "retry",
             _in_progress,
@@ -236,15 +238,15 @@ async def _cancel_first(run: _Storm, key: str, repeats: int) -> KeyReport:
             "may have had its effect, so it keeps its claim and is never run again",
         )
     else:
-        _unexpected(kr, "retry", _stored, "replays of the first answer")
+        unexpected(kr, "retry", _stored, "replays of the first answer")
     return kr
 
 
-async def _store_fails(run: _Storm, key: str, repeats: int) -> KeyReport:
+async def _store_fails(run: Storm, key: str, repeats: int) -> KeyReport:
     kr = KeyReport(
         key,
         "store_fails_after_claim",
-        f"the store fails between the claim and storing the answer, then {_n(repeats, 'retry')}",
+        f"the store fails between the claim and storing the answer, then {plural(repeats, 'retry')}",
     )
     if not run.injectable:
         kr.problems.append(
@@ -270,7 +272,7 @@ async def _store_fails(run: _Storm, key: str, repeats: int) -> KeyReport:
     elif first.kind == "failed":
         kr.notes.append("the app failed, so storing was never attempted: this fault was not exercised")
     if first.kind == "run" and run.injectable:
-        _unexpected(
+        unexpected(
             kr,
             "retry",
             lambda a: _in_progress(a) or a.kind == "replay",
@@ -280,11 +282,11 @@ async def _store_fails(run: _Storm, key: str, repeats: int) -> KeyReport:
     return kr
 
 
-async def _response_lost(run: _Storm, key: str, repeats: int) -> KeyReport:
+async def _response_lost(run: Storm, key: str, repeats: int) -> KeyReport:
     kr = KeyReport(
         key,
         "response_lost",
-        f"the connection is lost after the app ran (the client gets nothing), then {_n(repeats, 'retry')}",
+        f"the connection is lost after the app ran (the client gets nothing), then {plural(repeats, 'retry')}",
     )
     before = await run.count(key)
     await _sequential(run, kr, "lost", 1, lost=True)
@@ -296,7 +298,7 @@ async def _response_lost(run: _Storm, key: str, repeats: int) -> KeyReport:
         kr.expected_max = 1 + sum(a.kind == "failed" and not a.effect for a in kr.answers[1:])
     _executions(kr, before, await run.count(key))
     if lost.effect:
-        _unexpected(
+        unexpected(
             kr,
             "retry",
             lambda a: _stored(a) or a.label.startswith("409 outcome-unknown"),
@@ -306,12 +308,12 @@ async def _response_lost(run: _Storm, key: str, repeats: int) -> KeyReport:
     return kr
 
 
-async def _retry_during_write(run: _Storm, key: str, repeats: int) -> KeyReport:
+async def _retry_during_write(run: Storm, key: str, repeats: int) -> KeyReport:
     n = max(repeats, 1)
     kr = KeyReport(
         key,
         "retry_during_write",
-        f"{_n(n, 'retry')} land while the first answer is being written, then {_n(repeats, 'repeat')}",
+        f"{plural(n, 'retry')} land while the first answer is being written, then {plural(repeats, 'repeat')}",
     )
     retries: list[asyncio.Future[Answer]] = []
 
@@ -335,22 +337,22 @@ async def _retry_during_write(run: _Storm, key: str, repeats: int) -> KeyReport:
     await _sequential(run, kr, "repeat", repeats)
     _judge(run, kr)
     _executions(kr, before, await run.count(key))
-    _unexpected(
+    unexpected(
         kr,
         "during-write",
         lambda a: _in_progress(a) or a.kind == "replay",
         "409 request-in-progress or a replay: the key stays held until its answer is stored",
     )
     if first.kind == "run":
-        _unexpected(kr, "repeat", _stored, "replays of the first answer")
+        unexpected(kr, "repeat", _stored, "replays of the first answer")
     return kr
 
 
-async def _app_fails(run: _Storm, key: str, repeats: int) -> KeyReport:
+async def _app_fails(run: Storm, key: str, repeats: int) -> KeyReport:
     kr = KeyReport(
         key,
         "app_fails_before_effect",
-        f"the handler fails once before any effect (injected), then {_n(max(repeats, 1), 'retry')}",
+        f"the handler fails once before any effect (injected), then {plural(max(repeats, 1), 'retry')}",
     )
     if not run.injectable:
         kr.problems.append(
@@ -371,11 +373,11 @@ async def _app_fails(run: _Storm, key: str, repeats: int) -> KeyReport:
             "retry runs (a layer that keeps it answers 409 for as long as the record lives)"
         )
     if retry.kind == "run":
-        _unexpected(kr, "retry", lambda a: a is retry or _stored(a), "the retry's answer, then replays of it")
+        unexpected(kr, "retry", lambda a: a is retry or _stored(a), "the retry's answer, then replays of it")
     return kr
 
 
-SCENARIOS: Final[dict[str, Callable[[_Storm, str, int], Any]]] = {
+SCENARIOS: Final[dict[str, Callable[[Storm, str, int], Any]]] = {
     "disconnect_mid_body": _disconnect,
     "cancel_first": _cancel_first,
     "store_fails_after_claim": _store_fails,

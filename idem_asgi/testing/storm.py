@@ -10,9 +10,9 @@ from typing import Any
 from .._types import ASGIApp
 from ..backends import Backend
 from ..middleware import IdempotencyMiddleware
-from .driver import Probe, _Request, _Storm
+from .driver import Probe, Storm, StormRequest
 from .report import StormReport
-from .scenarios import FAULTS, SCENARIOS, _configure, _per_process, _storm_key
+from .scenarios import FAULTS, SCENARIOS, configure, per_process, storm_key
 from .walk import find_middleware
 
 
@@ -73,14 +73,14 @@ async def storm(
     request = _request_of(method, path, body, json, headers)
     prefix = key or f"storm-{uuid.uuid4().hex[:8]}"
     report = StormReport(request.method, path)
-    run = _Storm(
+    run = Storm(
         app, request, probe, key_header=key_header, replay_header=replay_header, request_timeout=request_timeout
     )
     targets = _targets(app, middleware, backend)
-    _configure(run, report, targets)
-    _per_process(report, targets, workers)
+    configure(run, report, targets)
+    per_process(report, targets, workers)
     with run.instrumented(targets, backend):
-        report.keys.append(await _storm_key(run, prefix, concurrency, repeats, mismatch))
+        report.keys.append(await storm_key(run, prefix, concurrency, repeats, mismatch))
         for fault in FAULTS:
             if fault in faults:
                 report.keys.append(await SCENARIOS[fault](run, f"{prefix}-{fault}", max(repeats, 1)))
@@ -89,7 +89,7 @@ async def storm(
 
 def _request_of(
     method: str, path: str, body: bytes | str, json: Any, headers: Mapping[str, str] | Sequence[tuple[str, str]]
-) -> _Request:
+) -> StormRequest:
     """The storm's request: headers encoded, the body (JSON gets its content-type), the query split off."""
     raw_headers = list(headers.items()) if isinstance(headers, Mapping) else list(headers)
     encoded = tuple((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in raw_headers)
@@ -100,7 +100,7 @@ def _request_of(
     else:
         payload = body.encode() if isinstance(body, str) else bytes(body)
     route, _, query = path.partition("?")
-    return _Request(method.upper(), route, query.encode("latin-1"), encoded, payload)
+    return StormRequest(method.upper(), route, query.encode("latin-1"), encoded, payload)
 
 
 def _targets(

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Start the local Redis (6379) and PostgreSQL (5432, trust auth, database `test`) that the
-# tests and benchmarks use, unless they already answer. Safe to run repeatedly.
+# The services the tests, benchmarks and demo talk to, as this machine kind runs them: start the
+# local Redis (6379) and PostgreSQL (5432, trust auth, database `test`) unless they already answer.
+# Safe to run repeatedly. (Throwaway servers a test kills or fails over are started by the tests
+# themselves: tests/support/servers.py.)
 set -euo pipefail
 
 if ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then
