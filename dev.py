@@ -3,7 +3,7 @@
 
 Needs nothing but Python 3.10+: it creates `.venv`, installs the package with its `dev`
 extra (again only when pyproject.toml changed), then runs the job inside it. `soak` is
-`python -m tests.soak` (the retry storms with 20 seeds, time-capped; `python3 dev.py soak --help`).
+`python -m tools.soak` (the retry storms with 20 seeds, time-capped; `python3 dev.py soak --help`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
     if job == "demo":
         return run("-m", "examples.storm_demo", *rest)
     if job == "test":
-        for step in (["-m", "ruff", "check", "."], ["-m", "mypy"]):
+        for step in (["-m", "ruff", "check", "."], ["-m", "ruff", "format", "--check", "."], ["-m", "mypy"]):
             print("dev.py:", " ".join(step[1:]), flush=True)
             if (code := run(*step)) != 0:
                 return code
@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
     if job == "bench":
         return run("-m", "benchmarks.run_all", *rest)
     if job == "soak":
-        return run("-m", "tests.soak", *rest)
+        return run("-m", "tools.soak", *rest)
     print(f"usage: python3 dev.py demo|test|bench|soak [args...]; unknown job {job!r}", file=sys.stderr)
     return 2
 

@@ -6,7 +6,7 @@ Routes:
 - `POST /pay`: protected, key required; sleeps ~10 ms, counts its executions per key in Redis
   (`INCR`, so the count is right across workers) and answers 201 with a fresh charge id, so a
   second execution is visible in the body too.
-- `GET /health`: readiness probe.
+- `GET /health`: readiness probe (the worker's pid, and where it imported idem_asgi from).
 
 Selected by environment variables (read once, at start-up):
 - `IDEM_BENCH_BACKEND`: empty or `none` for the bare app; else `memory://`, `redis://...` or
@@ -24,23 +24,22 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
-import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 import idem_asgi
 from idem_asgi import IdempotencyMiddleware, RoutePolicy, backend_from_url
+
+if TYPE_CHECKING:
+    from tests.support.servers import UvicornProcess
 
 NOOP_BODY = {"ok": True, "id": 42}
 
@@ -76,8 +75,8 @@ def build_bare() -> FastAPI:
         return counter["client"]
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok", "idem_asgi": os.path.dirname(idem_asgi.__file__)}
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "idem_asgi": os.path.dirname(idem_asgi.__file__), "pid": os.getpid()}
 
     @app.post("/noop")
     async def noop() -> dict[str, Any]:
@@ -137,13 +136,6 @@ OUT = ROOT / "benchmarks" / "out"
 _RUNNING: set[Server] = set()
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def pin_self(cpus: str | None) -> str:
     """Pin this process (the load client) to `cpus` ("1", "1,2"); returns what was done."""
     if not cpus or not hasattr(os, "sched_setaffinity"):
@@ -160,7 +152,8 @@ class Server:
     """uvicorn serving `factory` in its own process group, optionally pinned with `taskset -c`.
 
     Always stopped: by `stop()`, the context manager, or at interpreter exit. Stopping signals
-    only this server's own process group (the uvicorn master and its workers).
+    only this server's own process group (the uvicorn master and its workers). The process is a
+    `tests.support.servers.UvicornProcess`, the launcher the tests use too.
     """
 
     def __init__(
@@ -185,61 +178,40 @@ class Server:
         self.wrapper = wrapper  # e.g. ("valgrind", "--tool=callgrind", ...): put before the interpreter
         self.port = 0
         self.package = "?"  # where the server imported idem_asgi from (reported by /health)
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.process: UvicornProcess | None = None
         self.log_path = OUT / f"server-{label}.log"
 
     @property
     def pinned(self) -> bool:
         return bool(self.cpus) and shutil.which("taskset") is not None
 
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        return None if self.process is None else self.process.proc
+
     def start(self, timeout: float = 30.0) -> Server:
+        # Imported here, in the load client only: the server process imports this module for the
+        # app, with another checkout's `tests` package perhaps first on its path (PYTHONPATH).
+        from tests.support.servers import UvicornProcess
+
         OUT.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
-        cmd = [
-            sys.executable, "-m", "uvicorn", "--factory", self.factory,
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--workers", str(self.workers), "--loop", self.loop, "--http", self.http,
-            "--no-access-log", "--log-level", "warning",
-        ]  # fmt: skip
-        cmd = [*self.wrapper, *cmd]
-        if self.pinned:
-            cmd = ["taskset", "-c", str(self.cpus), *cmd]
-        env = {**os.environ, **self.env}
-        # this checkout's root last: a PYTHONPATH given in `env` (another idem_asgi to compare) wins
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (self.env.get("PYTHONPATH", ""), str(ROOT)) if p)
-        log = open(self.log_path, "wb")  # noqa: SIM115 - closed when the process is reaped
-        try:
-            # cwd is OUT, not ROOT: `python -m` puts the cwd first on sys.path, ahead of PYTHONPATH
-            self.proc = subprocess.Popen(
-                cmd, cwd=OUT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        finally:
-            log.close()
+        prefix = ["taskset", "-c", str(self.cpus), *self.wrapper] if self.pinned else [*self.wrapper]
+        # the launcher puts this checkout's root last: a PYTHONPATH given in `env` (another idem_asgi to compare) wins
+        env = {**os.environ, **self.env, "PYTHONPATH": self.env.get("PYTHONPATH", "")}
+        self.log_path.unlink(missing_ok=True)
+        args = ["--factory", "--loop", self.loop, "--http", self.http]
+        # cwd is OUT, not ROOT: `python -m` puts the cwd first on sys.path, ahead of PYTHONPATH
+        self.process = UvicornProcess(
+            self.factory, env, self.log_path, workers=self.workers, args=args, prefix=prefix, cwd=OUT
+        )
+        self.port = self.process.port
         _RUNNING.add(self)
-        deadline = time.monotonic() + timeout
-        probe = b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n"
-        while True:
-            if self.proc.poll() is not None:
-                tail = self.log_path.read_text(errors="replace")[-2000:]
-                self.stop()
-                raise RuntimeError(f"server {self.label} exited with {self.proc.returncode}:\n{tail}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"server {self.label} not ready after {timeout} s (log: {self.log_path})")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
-                    s.sendall(probe)
-                    answer = b""
-                    while len(answer) < 65536 and (chunk := s.recv(4096)):
-                        answer += chunk
-                if answer.startswith(b"HTTP/1.1 200"):
-                    self.package = json.loads(answer.partition(b"\r\n\r\n")[2]).get("idem_asgi", "?")
-                    break
-            except (OSError, ValueError):
-                pass
-            time.sleep(0.1)
-        if self.workers > 1:
-            time.sleep(1.0)  # let every worker reach accept()
+        try:
+            self.process.wait_ready_blocking(timeout=timeout)  # every worker answered: all reached accept()
+        except RuntimeError as exc:
+            self.stop()
+            raise RuntimeError(f"server {self.label} not ready (log: {self.log_path}): {exc}") from exc
+        self.package = str((self.process.health() or {}).get("idem_asgi", "?"))
         return self
 
     def cpu_seconds(self) -> float:
@@ -277,20 +249,9 @@ class Server:
         return pids
 
     def stop(self) -> None:
-        proc = self.proc
         _RUNNING.discard(self)
-        if proc is None or proc.returncode is not None:
-            return
-        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(proc.pid, sig)  # the group this server was started in, nothing else
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        if self.process is not None:
+            self.process.stop()  # SIGTERM the group, SIGKILL what is left after 10 s
 
     def __enter__(self) -> Server:
         return self.start()

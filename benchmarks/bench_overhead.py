@@ -40,9 +40,9 @@ from typing import Any
 
 from benchmarks._client import Connection, LoadResult, percentile, run_load
 from benchmarks.bench_app import Server, install_signal_handlers, pin_self, stop_all
+from idem_asgi._types import Receive, Scope, Send
+from tests.support.servers import POSTGRES_DSN, REDIS_URL, reachable
 
-REDIS_URL = os.environ.get("IDEM_REDIS_URL", "redis://127.0.0.1:6379/0")
-POSTGRES_DSN = os.environ.get("IDEM_POSTGRES_DSN", "postgresql://postgres@127.0.0.1:5432/test")
 CASES = ("passthrough", "new-key", "replay")
 BACKENDS = ("memory", "redis", "postgres")
 TARGETS = {"memory": 0.92, "redis": 0.80, "postgres": 0.60}  # new-key no-op, ours/bare requests/s
@@ -91,18 +91,6 @@ def request_maker(case: str, tag: str) -> Callable[[int], bytes]:
 # ------------------------------------------------------------------------------------------
 # stores: reachability, setup, cleanup (own prefix / own table only; nothing else is touched)
 # ------------------------------------------------------------------------------------------
-
-
-def reachable(url: str) -> bool:
-    import socket
-    from urllib.parse import urlparse
-
-    u = urlparse(url)
-    try:
-        with socket.create_connection((u.hostname or "127.0.0.1", u.port or 0), timeout=1):
-            return True
-    except OSError:
-        return False
 
 
 async def setup_postgres(dsn: str, table: str) -> None:
@@ -248,7 +236,8 @@ def print_round(rnd: int, rounds: int, backend: str, case: str, is_bare: bool, s
 
 
 def backend_url(name: str, args: argparse.Namespace) -> str:
-    return {"memory": "memory://", "redis": args.redis_url, "postgres": args.postgres_dsn}[name]
+    url: str = {"memory": "memory://", "redis": args.redis_url, "postgres": args.postgres_dsn}[name]
+    return url
 
 
 def emit(args: argparse.Namespace, record: dict[str, Any]) -> None:
@@ -367,7 +356,7 @@ def report(
     latency: dict[str, dict[str, list[float]]],
 ) -> None:
     ms = 1000.0
-    rows = []
+    rows: list[dict[str, Any]] = []
     for b in backends:
         for case in cases:
             pair = results.get((b, case))
@@ -379,7 +368,7 @@ def report(
             bare_rps = statistics.median(s.rps for s in pair.bare)
             ours_rps = statistics.median(s.rps for s in pair.ours)
             target = TARGETS[b] if case == "new-key" else (1.0 if case == "passthrough" else None)
-            row = {
+            row: dict[str, Any] = {
                 "kind": "summary",
                 "backend": b,
                 "case": case,
@@ -428,16 +417,16 @@ def report(
     print("-" * len(head))
     for r in rows:
         if r["target"] is None:
-            target = "-"
+            shown = "-"
         elif r["case"] == "passthrough":
-            target = "~1.00"
+            shown = "~1.00"
         else:
             mark = "ok" if r["ratio"] >= r["target"] else "MISS"
-            target = f">={r['target']:.2f} {mark}"
+            shown = f">={r['target']:.2f} {mark}"
         cpu = f"{r['bare_cpu_us']:.0f}/{r['ours_cpu_us']:.0f}"
         print(
             f"{r['backend']:<9}{r['case']:<12}{r['bare_rps']:>11.0f}{r['ours_rps']:>11.0f}{r['ratio']:>7.2f}"
-            f"{r['ratio_min']:>6.2f}-{r['ratio_max']:<4.2f}{r['ratio_best']:>6.2f}{target:>12}{cpu:>14}"
+            f"{r['ratio_min']:>6.2f}-{r['ratio_max']:<4.2f}{r['ratio_best']:>6.2f}{shown:>12}{cpu:>14}"
             f"{r['cpu_ratio'] or 0:>10.2f}"
             f"{r['bare_p50_ms']:>8.2f}/{r['bare_p99_ms']:<8.2f}{r['ours_p50_ms']:>8.2f}/{r['ours_p99_ms']:<8.2f}"
             f"{r['ours_non200']:>8}"
@@ -585,7 +574,7 @@ _START = {
 _BODY = {"type": "http.response.body", "body": b'{"ok":true,"id":42}\n', "more_body": False}
 
 
-async def raw_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+async def raw_app(scope: Scope, receive: Receive, send: Send) -> None:
     """The cheapest possible ASGI app: read the body, answer a fixed JSON."""
     while True:
         message = await receive()

@@ -34,8 +34,8 @@ import asyncpg
 
 from idem_asgi.backends.postgres import PostgresBackend, _headers_encode
 from idem_asgi.records import Claimed, Existing, RecordKey, StoredResponse
+from tests.support.servers import POSTGRES_DSN
 
-POSTGRES_DSN = os.environ.get("IDEM_POSTGRES_DSN", "postgresql://postgres@127.0.0.1:5432/test")
 DAY = 86_400
 TTL = 30 * DAY
 BLOCK = 100
@@ -151,7 +151,7 @@ async def run(dsn: str, rows: int, samples: int, log: Any) -> dict[str, Any]:
             }
             for op in ("new", "complete", "replay")
         }
-        plan = await admin.fetch("EXPLAIN " + large._sql_purge, 1000)
+        plan = await admin.fetch("EXPLAIN " + large.sql.purge, 1000)
         result["purge_plan"] = [r[0].strip() for r in plan]
         started = time.perf_counter()
         purged = await large.purge(batch_size=1000)

@@ -24,24 +24,20 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from idem_asgi import IdempotencyMiddleware, RoutePolicy
 from idem_asgi._types import Message, Receive, Scope, Send
+from tests.support.servers import POSTGRES_DSN, REDIS_URL, redis_process
 
-REDIS_URL = os.environ.get("IDEM_REDIS_URL", "redis://127.0.0.1:6379/0")
-POSTGRES_DSN = os.environ.get("IDEM_POSTGRES_DSN", "postgresql://postgres@127.0.0.1:5432/test")
 TARGET = {"new": 2.0, "replay": 1.0}
 WARMUP = 20
 BODY = b'{"amount": 100, "currency": "EUR"}'
@@ -128,44 +124,13 @@ def _stats(info: dict[str, Any]) -> Counter[str]:
     return Counter({name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in info.items()})
 
 
-def _spawn_redis(port: int, workdir: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        cwd=workdir,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-
-
-@contextlib.asynccontextmanager
-async def throwaway_redis() -> AsyncIterator[str]:
-    """A private redis-server on a free port, killed on exit."""
+@contextlib.contextmanager
+def throwaway_redis() -> Iterator[str]:
+    """A private redis-server on a free port (`tests.support.servers.RedisProcess`), killed on exit."""
     if shutil.which("redis-server") is None:
         raise SystemExit("--throwaway needs redis-server on PATH")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as workdir:
-        proc = _spawn_redis(port, workdir)
-        try:
-            deadline = time.monotonic() + 10
-            while True:
-                try:
-                    with socket.create_connection(("127.0.0.1", port), timeout=0.2) as c:
-                        c.sendall(b"PING\r\n")
-                        if c.recv(16).startswith(b"+PONG"):
-                            break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise SystemExit("throwaway redis-server did not start")
-                await asyncio.sleep(0.05)
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+    with tempfile.TemporaryDirectory() as workdir, redis_process(Path(workdir)) as server:
+        yield server.url
 
 
 async def bench_redis(url: str, n: int) -> dict[str, Any]:
@@ -318,7 +283,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if "redis" in backends:
         if args.throwaway:
-            async with throwaway_redis() as url:
+            with throwaway_redis() as url:
                 results["redis"] = await bench_redis(url, args.n)
                 results["redis"]["server"] = "throwaway"
         else:

@@ -25,11 +25,12 @@ from benchmarks._client import build_request, run_load
 from benchmarks.bench_app import Server, install_signal_handlers, pin_self, stop_all
 from idem_asgi import IdempotencyMiddleware, RoutePolicy
 from idem_asgi.backends import MemoryBackend
+from tests.support.servers import POSTGRES_DSN, REDIS_URL
 
 URLS = {
     "memory": "memory://",
-    "redis": os.environ.get("IDEM_REDIS_URL", "redis://127.0.0.1:6379/0"),
-    "postgres": os.environ.get("IDEM_POSTGRES_DSN", "postgresql://postgres@127.0.0.1:5432/test"),
+    "redis": REDIS_URL,
+    "postgres": POSTGRES_DSN,
 }
 CONCURRENCY = (1, 8, 32, 128)
 BODIES = (1 << 10, 64 << 10, 1 << 20)
@@ -45,12 +46,21 @@ def new_key_request(body: bytes) -> Any:
 
 async def measure(server: Server, body: bytes, concurrency: int, duration: float) -> dict[str, float]:
     result = await run_load(
-        "127.0.0.1", server.port, new_key_request(body), concurrency=concurrency,
-        max_requests=200_000, duration=duration,
+        "127.0.0.1",
+        server.port,
+        new_key_request(body),
+        concurrency=concurrency,
+        max_requests=200_000,
+        duration=duration,
     )
     ok = sum(n for status, n in result.statuses.items() if status < 500)
-    return {"rps": round(result.rps, 1), "p50_ms": round(result.p(50), 2), "p99_ms": round(result.p(99), 2),
-            "ok": ok, "requests": result.requests}
+    return {
+        "rps": round(result.rps, 1),
+        "p50_ms": round(result.p(50), 2),
+        "p99_ms": round(result.p(99), 2),
+        "ok": ok,
+        "requests": result.requests,
+    }
 
 
 async def scale(backend: str, duration: float) -> list[dict[str, Any]]:
@@ -63,11 +73,19 @@ async def scale(backend: str, duration: float) -> list[dict[str, Any]]:
             body = b"x" * size
             a = await measure(bare, body, concurrency, duration)
             b = await measure(ours, body, concurrency, duration)
-            rows.append({
-                "backend": backend, "concurrency": concurrency, "body_bytes": size,
-                "bare_rps": a["rps"], "ours_rps": b["rps"], "ratio": round(b["rps"] / a["rps"], 2) if a["rps"] else 0,
-                "bare_p99_ms": a["p99_ms"], "ours_p99_ms": b["p99_ms"], "ours_p50_ms": b["p50_ms"],
-            })
+            rows.append(
+                {
+                    "backend": backend,
+                    "concurrency": concurrency,
+                    "body_bytes": size,
+                    "bare_rps": a["rps"],
+                    "ours_rps": b["rps"],
+                    "ratio": round(b["rps"] / a["rps"], 2) if a["rps"] else 0,
+                    "bare_p99_ms": a["p99_ms"],
+                    "ours_p99_ms": b["p99_ms"],
+                    "ours_p50_ms": b["p50_ms"],
+                }
+            )
     finally:
         bare.stop()
         ours.stop()
@@ -147,8 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     print("| backend | concurrency | body | bare req/s | ours req/s | ratio | bare p99 ms | ours p99 ms |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['backend']} | {r['concurrency']} | {r['body_bytes'] // 1024} KiB | {r['bare_rps']:.0f} | "
-              f"{r['ours_rps']:.0f} | {r['ratio']:.2f} | {r['bare_p99_ms']:.1f} | {r['ours_p99_ms']:.1f} |")
+        print(
+            f"| {r['backend']} | {r['concurrency']} | {r['body_bytes'] // 1024} KiB | {r['bare_rps']:.0f} | "
+            f"{r['ours_rps']:.0f} | {r['ratio']:.2f} | {r['bare_p99_ms']:.1f} | {r['ours_p99_ms']:.1f} |"
+        )
     print("\n| body of each in-flight request | middleware memory per in-flight request (besides its body) |")
     print("|---:|---:|")
     for size, per in memory:

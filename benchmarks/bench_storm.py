@@ -35,15 +35,8 @@ import msgspec
 
 from benchmarks._client import Response, fetch, percentile
 from benchmarks.bench_app import Server, build_bare, install_signal_handlers, pin_self, protect, stop_all
-from benchmarks.bench_overhead import (
-    POSTGRES_DSN,
-    REDIS_URL,
-    delete_redis_prefix,
-    drop_postgres,
-    machine,
-    reachable,
-    setup_postgres,
-)
+from benchmarks.bench_overhead import delete_redis_prefix, drop_postgres, machine, setup_postgres
+from tests.support.servers import POSTGRES_DSN, REDIS_URL, reachable
 
 # ------------------------------------------------------------------------------------------
 # The strawman: what the contract calls check-then-act (TOCTOU). Never use this.
@@ -79,7 +72,8 @@ class RedisNaive:
         self._ttl = ttl
 
     async def get(self, key: str) -> bytes | None:
-        value: bytes | None = await self._client.get(self._prefix + key)
+        value = await self._client.get(self._prefix + key)
+        assert value is None or isinstance(value, bytes)  # a client without decode_responses
         return value
 
     async def set(self, key: str, value: bytes) -> None:

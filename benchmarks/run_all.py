@@ -69,8 +69,13 @@ def main(argv: list[str] | None = None) -> int:
         run("Large Postgres table", ["benchmarks.bench_postgres_table", "--rows", str(args.rows)]),
     ]
     print("== Scale curve: python -m benchmarks.bench_scale --json", flush=True)
-    scale = subprocess.run([sys.executable, "-m", "benchmarks.bench_scale", "--json"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=900)
+    scale = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_scale", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     rows = [json.loads(line) for line in scale.stdout.splitlines() if line.startswith("{")]
     sections.append("## Scale curve\n\n```\n" + "\n".join(json.dumps(r) for r in rows) + "\n```\n")
     curve = [r for r in rows if "concurrency" in r]
@@ -81,8 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             print('no chart: pip install "idem-asgi[bench]" (matplotlib)')
     report = OUT / "report.md"
-    report.write_text(f"# Benchmarks, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
-                      + "\n".join(sections))
+    report.write_text(
+        f"# Benchmarks, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n\n" + "\n".join(sections)
+    )
     print(f"report: {report.relative_to(ROOT)}")
     return 0
 

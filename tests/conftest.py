@@ -1,38 +1,19 @@
 """`backend` runs a test once per real store (memory, redis, postgres); `shared_store` once per
-store several processes can share (redis, postgres)."""
+store several processes can share (redis, postgres). `throwaway` is a private redis-server,
+`cluster` a three-primary Redis Cluster (one per test module). Stores and servers are in
+`tests/support/`."""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 
-from idem_asgi.backends import Backend, MemoryBackend
-from tests.servers import POSTGRES_DSN, REDIS_URL, require
-
-BACKENDS = [
-    pytest.param("memory", marks=pytest.mark.memory),
-    pytest.param("redis", marks=pytest.mark.redis),
-    pytest.param("postgres", marks=pytest.mark.postgres),
-]
-
-
-async def make_backend(name: str) -> Backend:
-    """A fresh, isolated backend of the named kind (own key prefix or own table)."""
-    if name == "memory":
-        return MemoryBackend()
-    if name == "redis":
-        require("redis", REDIS_URL)
-        from idem_asgi.backends.redis import RedisBackend
-
-        return RedisBackend.from_url(REDIS_URL, prefix=f"idem-test:{uuid.uuid4().hex}:")
-    require("postgres", POSTGRES_DSN)
-    from idem_asgi.backends.postgres import PostgresBackend
-
-    backend = PostgresBackend.from_dsn(POSTGRES_DSN, table="idem_test_records", min_size=1, max_size=20)
-    await backend.setup()
-    return backend
+from idem_asgi.backends import Backend
+from tests.support.servers import POSTGRES_DSN, REDIS_URL, RedisProcess, redis_cluster, redis_process, require
+from tests.support.stores import BACKENDS, SHARED, make_backend
 
 
 @pytest.fixture(params=BACKENDS)
@@ -51,9 +32,23 @@ def namespace() -> str:
     return f"t-{uuid.uuid4().hex}"
 
 
-@pytest.fixture(params=BACKENDS[1:])
+@pytest.fixture(params=SHARED)
 def shared_store(request: pytest.FixtureRequest) -> str:
-    """"redis" or "postgres", for tests whose workers are separate processes; skipped when missing."""
+    """ "redis" or "postgres", for tests whose workers are separate processes; skipped when missing."""
     name = str(request.param)
     require(name, REDIS_URL if name == "redis" else POSTGRES_DSN)
     return name
+
+
+@pytest.fixture
+def throwaway(tmp_path: Path) -> Iterator[RedisProcess]:
+    """A private redis-server (no persistence) on a free port."""
+    with redis_process(tmp_path / "redis") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RedisProcess]]:
+    """Three primaries, no replicas, all slots assigned; killed on teardown."""
+    with redis_cluster(tmp_path_factory.mktemp("cluster")) as nodes:
+        yield nodes

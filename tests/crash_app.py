@@ -37,24 +37,22 @@ Importing this module has no side effect: the app is built at lifespan start-up.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from idem_asgi import IdempotencyMiddleware, RoutePolicy
 from idem_asgi._types import ASGIApp, Message, Receive, Scope, Send
 from idem_asgi.backends import Backend
-from idem_asgi.records import Claimed, ClaimResult, Record, RecordKey, StoredResponse
-from tests.scorecard import Ledger, ledger_from_url, read_response
-from tests.servers import free_port
+from idem_asgi.records import Claimed, ClaimResult, RecordKey, StoredResponse
+from tests.support.scorecard import Ledger, ledger_from_url
+from tests.support.servers import UvicornProcess
+from tests.support.stores import Delegating, store_from_url
 
 POINTS = (
     "before_claim",
@@ -65,7 +63,7 @@ POINTS = (
     "before_first_send",
     "mid_send",
 )
-ROOT = Path(__file__).resolve().parent.parent
+R = TypeVar("R", bound="ClaimResult | None")
 
 
 class Crasher:
@@ -120,18 +118,18 @@ def read_trace(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-class CrashingBackend:
-    """Implements the Backend protocol around a real store, with crash points around claim and complete.
+class CrashingBackend(Delegating):
+    """The Backend protocol around a real store, with crash points around claim and complete.
 
     With `trace`, every call is reported (after it returned) as `{"op", "key", "token", "result",
     "sent", "at", "pid"}`: `token` is the fencing token the call carried (claim, takeover: the token
-    it got or found), `result` True/False for the fenced writes, `claimed`/`existing` for claims, or
-    `error` when the store failed; `sent` and `at` are the wall-clock times the call was made and
-    returned.
+    it got or found), `result` True/False for the fenced writes, `claimed`/`existing` for claims
+    (`gone` for a takeover of a record that no longer exists), or `error` when the store failed;
+    `sent` and `at` are the wall-clock times the call was made and returned.
     """
 
     def __init__(self, inner: Backend, crasher: Crasher, trace: Trace | None = None) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.crasher = crasher
         self.trace = trace
 
@@ -140,11 +138,32 @@ class CrashingBackend:
             entry = {"op": op, "key": key.key, "token": token, "result": result, "sent": sent, "at": time.time()}
             self.trace({**entry, "pid": os.getpid()})
 
-    def _traced_claim(self, op: str, key: RecordKey, result: ClaimResult, sent: float) -> None:
-        if isinstance(result, Claimed):
+    async def _claimed(self, op: str, key: RecordKey, call: Awaitable[R]) -> R:
+        """Await a claim or takeover, then report it: the token it got or found."""
+        sent = time.time()
+        try:
+            result = await call
+        except Exception:
+            self._trace(op, key, None, "error", sent)
+            raise
+        if result is None:
+            self._trace(op, key, None, "gone", sent)
+        elif isinstance(result, Claimed):
             self._trace(op, key, result.token, "claimed", sent)
         else:
             self._trace(op, key, result.record.token, "existing", sent)
+        return result
+
+    async def _written(self, op: str, key: RecordKey, token: int, call: Awaitable[bool]) -> bool:
+        """Await a fenced write, then report it: True, False, or `error`."""
+        sent = time.time()
+        try:
+            done = await call
+        except Exception:
+            self._trace(op, key, token, "error", sent)
+            raise
+        self._trace(op, key, token, done, sent)
+        return done
 
     async def setup(self) -> None:
         setup = getattr(self.inner, "setup", None)
@@ -152,69 +171,28 @@ class CrashingBackend:
             await setup()
 
     async def claim(self, key: RecordKey, fingerprint: bytes, *, lease: float, ttl: float) -> ClaimResult:
-        sent = time.time()
-        try:
-            result = await self.inner.claim(key, fingerprint, lease=lease, ttl=ttl)
-        except Exception:
-            self._trace("claim", key, None, "error", sent)
-            raise
-        self._traced_claim("claim", key, result, sent)
+        result = await self._claimed("claim", key, self.inner.claim(key, fingerprint, lease=lease, ttl=ttl))
         if isinstance(result, Claimed):
             await self.crasher.reached("after_claim")
         return result
 
     async def takeover(
         self, key: RecordKey, stale_token: int, fingerprint: bytes, *, lease: float, ttl: float
-    ) -> ClaimResult:
-        sent = time.time()
-        try:
-            result = await self.inner.takeover(key, stale_token, fingerprint, lease=lease, ttl=ttl)
-        except Exception:
-            self._trace("takeover", key, None, "error", sent)
-            raise
-        self._traced_claim("takeover", key, result, sent)
-        return result
+    ) -> ClaimResult | None:
+        call = self.inner.takeover(key, stale_token, fingerprint, lease=lease, ttl=ttl)
+        return await self._claimed("takeover", key, call)
 
     async def complete(self, key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
         await self.crasher.reached("before_store")
-        sent = time.time()
-        try:
-            stored = await self.inner.complete(key, token, response, ttl=ttl)
-        except Exception:
-            self._trace("complete", key, token, "error", sent)
-            raise
-        self._trace("complete", key, token, stored, sent)
+        stored = await self._written("complete", key, token, self.inner.complete(key, token, response, ttl=ttl))
         await self.crasher.reached("after_store")
         return stored
 
     async def release(self, key: RecordKey, token: int) -> bool:
-        sent = time.time()
-        try:
-            released = await self.inner.release(key, token)
-        except Exception:
-            self._trace("release", key, token, "error", sent)
-            raise
-        self._trace("release", key, token, released, sent)
-        return released
-
-    async def mark_failed(self, key: RecordKey, token: int) -> bool:
-        return await self.inner.mark_failed(key, token)
+        return await self._written("release", key, token, self.inner.release(key, token))
 
     async def extend(self, key: RecordKey, token: int, *, lease: float) -> bool:
-        sent = time.time()
-        try:
-            held = await self.inner.extend(key, token, lease=lease)
-        except Exception:
-            self._trace("extend", key, token, "error", sent)
-            raise
-        self._trace("extend", key, token, held, sent)
-        return held
-
-    async def get(self, key: RecordKey) -> Record | None:
-        return await self.inner.get(key)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
+        return await self._written("extend", key, token, self.inner.extend(key, token, lease=lease))
 
 
 class Handler:
@@ -289,17 +267,8 @@ class CrashGate:
 
 
 def make_store(url: str, *, namespace: str, table: str, pool: int) -> Backend:
-    if url.startswith("memory://"):
-        from idem_asgi.backends import MemoryBackend
-
-        return MemoryBackend()
-    if url.startswith(("postgres://", "postgresql://")):
-        from idem_asgi.backends.postgres import PostgresBackend
-
-        return PostgresBackend.from_dsn(url, table=table, min_size=1, max_size=pool)
-    from idem_asgi.backends.redis import RedisBackend
-
-    return RedisBackend.from_url(url, prefix=f"idem-rel:{namespace}:", max_connections=pool)
+    """The store at `url`, Redis keys under `idem-rel:<namespace>:` (where `cleanup_store` finds them)."""
+    return store_from_url(url, prefix=f"idem-rel:{namespace}:", table=table, pool=pool)
 
 
 def build(
@@ -387,111 +356,7 @@ app = _LazyApp()
 # -- running it -----------------------------------------------------------------------------------
 
 
-class UvicornServer:
+def launch(env: dict[str, str], log: Path, *, workers: int = 1) -> UvicornProcess:
     """`uvicorn tests.crash_app:app` on 127.0.0.1 in its own process group; always stopped by the caller."""
-
-    def __init__(self, env: dict[str, str], log: Path, *, workers: int = 1) -> None:
-        self.port = free_port()
-        self.log = log
-        self.workers = workers
-        with log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "uvicorn",
-                    "tests.crash_app:app",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(self.port),
-                    "--workers",
-                    str(workers),
-                    "--lifespan",
-                    "on",
-                    "--log-level",
-                    "warning",
-                    "--no-access-log",
-                    "--timeout-graceful-shutdown",
-                    "5",
-                ],
-                cwd=ROOT,
-                env={**env, "PYTHONPATH": str(ROOT)},
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    async def health(self) -> int | None:
-        """The pid of the worker that answered GET /health on a fresh connection, or None."""
-        try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", self.port), 2)
-        except (OSError, TimeoutError):
-            return None
-        try:
-            writer.write(b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n")
-            await writer.drain()
-            status, _, body = await asyncio.wait_for(read_response(reader), 2)
-            return int(json.loads(body)["pid"]) if status == 200 else None
-        except (OSError, TimeoutError, ValueError, KeyError, asyncio.IncompleteReadError):
-            return None
-        finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
-
-    async def wait_ready(self, *, timeout: float = 30.0) -> set[int]:
-        """Until every worker answered /health (distinct pids), bounded by `timeout`."""
-        deadline = time.monotonic() + timeout
-        pids: set[int] = set()
-        for _ in range(10_000):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"uvicorn exited with {self.proc.returncode}: {self.tail()}")
-            pid = await self.health()
-            if pid is not None:
-                pids.add(pid)
-                if len(pids) >= self.workers:
-                    return pids
-            if time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.02 if pid is not None else 0.1)
-        raise RuntimeError(f"uvicorn on {self.port}: {len(pids)}/{self.workers} workers ready: {self.tail()}")
-
-    async def wait_dead(self, timeout: float) -> int | None:
-        """The return code once the process exited, or None after `timeout`."""
-        deadline = time.monotonic() + timeout
-        while self.proc.poll() is None and time.monotonic() < deadline:  # noqa: ASYNC110 - bounded poll
-            await asyncio.sleep(0.02)
-        return self.proc.poll()
-
-    def tail(self) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-3000:]
-        except OSError:
-            return ""
-
-    def _exited(self, timeout: float) -> bool:
-        """Wait up to `timeout` for the leader to exit WITHOUT reaping it (its pid keeps the group ours)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
-                    return True
-            except ChildProcessError:
-                return True
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        """SIGTERM the group (graceful), SIGKILL what is left after 10 s; a no-op on a reaped server."""
-        if self.proc.returncode is not None:
-            return  # already reaped (a crash worker: no children)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        self._exited(10)
-        # The leader is alive or a zombie, so the group id cannot have been reused: kill what remains.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
+    args = ["--lifespan", "on", "--timeout-graceful-shutdown", "5"]
+    return UvicornProcess("tests.crash_app:app", env, log, workers=workers, args=args)

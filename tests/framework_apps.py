@@ -144,7 +144,7 @@ def litestar_app(counts: Counter[str], background: list[str]) -> Any:
 
     return Litestar(
         route_handlers=[payments, stream, boom, slow, bg, free],
-        middleware=[DefineMiddleware(IdempotencyMiddleware, backend=MemoryBackend(), routes=ROUTES)],
+        middleware=[DefineMiddleware(IdempotencyMiddleware, backend=MemoryBackend(), routes=ROUTES)],  # type: ignore[arg-type]  # Litestar types ASGI with its own TypedDicts
     )
 
 
@@ -155,7 +155,7 @@ def falcon_app(counts: Counter[str], background: list[str]) -> Any:
     class Payments:
         async def on_post(self, req: Any, resp: Any) -> None:
             info = current_idempotency()
-            resp.media = _payment(counts, "payments", info and info.key, await req.stream.read())
+            resp.media = _payment(counts, "payments", info.key if info else None, await req.stream.read())
             resp.status = 201
 
     class Stream:
@@ -188,10 +188,16 @@ def falcon_app(counts: Counter[str], background: list[str]) -> Any:
             resp.media = _payment(counts, "free", None, b"")
 
     inner = falcon.asgi.App()
-    for path, resource in (("/payments", Payments()), ("/stream", Stream()), ("/boom", Boom()), ("/slow", Slow()),
-                           ("/bg", Bg()), ("/free", Free())):
+    for path, resource in (
+        ("/payments", Payments()),
+        ("/stream", Stream()),
+        ("/boom", Boom()),
+        ("/slow", Slow()),
+        ("/bg", Bg()),
+        ("/free", Free()),
+    ):
         inner.add_route(path, resource)
-    return IdempotencyMiddleware(inner, backend=MemoryBackend(), routes=ROUTES)
+    return IdempotencyMiddleware(inner, backend=MemoryBackend(), routes=ROUTES)  # type: ignore[arg-type]  # falcon types its ASGI app with dict scopes
 
 
 def _note(background: list[str]) -> None:

@@ -1,4 +1,5 @@
-"""The app the multi-process storm runs under uvicorn: POST /pay behind IdempotencyMiddleware.
+"""The app the multi-process storm runs under uvicorn: POST /pay behind IdempotencyMiddleware;
+any other path (GET /health) answers `{"ok": true, "pid": ...}`.
 
 Configured by environment variables (set by tests/test_multiprocess_storm.py):
 
@@ -55,7 +56,7 @@ class Handler:
         while (await receive()).get("more_body", False):
             pass
         if scope["path"] != "/pay":
-            await self._answer(send, 200, b'{"ok":true}')
+            await self._answer(send, 200, json.dumps({"ok": True, "pid": os.getpid()}).encode())
             return
         key = next(v for k, v in scope["headers"] if k == b"idempotency-key").decode()
         await self.counter.incr(COUNTER + key)

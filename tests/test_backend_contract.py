@@ -1,15 +1,59 @@
-"""The backend contract: the same tests, unchanged, on every store (memory, redis, postgres)."""
+"""The backend contract: the same tests, unchanged, on every store: memory, Redis through the lean
+pool `from_url` builds, Redis through a plain redis-py client handed in, a three-primary Redis
+Cluster, and Postgres."""
 
 from __future__ import annotations
 
 import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import redis.asyncio as aioredis
 
 from idem_asgi._decide import Action, decide
 from idem_asgi.backends import Backend
 from idem_asgi.backends._protocol import Maintenance
+from idem_asgi.backends.redis import RedisBackend
 from idem_asgi.records import COMPLETED, IN_PROGRESS, Claimed, Existing, RecordKey, StaleRecord, StoredResponse
+from tests.support.servers import REDIS_URL, redis_cluster, require
+from tests.support.stores import BACKENDS, make_backend
 
 DAY = 86_400.0
+STORES = [
+    *BACKENDS,
+    pytest.param("redis-client", marks=pytest.mark.redis),
+    pytest.param("redis-cluster", marks=pytest.mark.redis),
+]
+
+
+@pytest.fixture(scope="module")
+def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A three-primary Redis Cluster for this module (its own redis-server processes)."""
+    with redis_cluster(tmp_path_factory.mktemp("contract-cluster")) as nodes:
+        yield nodes[0].url
+
+
+@pytest.fixture(params=STORES)
+async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
+    prefix = f"idem-test:{uuid.uuid4().hex}:"
+    client = None
+    if request.param == "redis-client":  # the user's own client: no lean pool, redis-py serves every call
+        require("redis", REDIS_URL)
+        client = aioredis.Redis.from_url(REDIS_URL, socket_timeout=5)
+        store: Backend = RedisBackend(client, prefix=prefix)
+    elif request.param == "redis-cluster":
+        store = RedisBackend.from_url(request.getfixturevalue("cluster_url"), cluster=True, prefix=prefix)
+    else:
+        store = await make_backend(request.param, prefix=prefix)
+    try:
+        yield store
+    finally:
+        await store.aclose()
+        if client is not None:
+            await client.aclose()
+
+
 RESPONSE = StoredResponse(
     201,
     [(b"content-type", b"application/json"), (b"x-b", b"2"), (b"x-a", b"1"), (b"x-b", b"3")],

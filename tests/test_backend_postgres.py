@@ -14,11 +14,11 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
-from idem_asgi.backends.postgres import ClaimLost, PostgresBackend, StaleRecord
+from idem_asgi.backends.postgres import PostgresBackend, StaleRecord
 from idem_asgi.context import held_claim
-from idem_asgi.errors import BackendUnavailable, ConfigurationError
+from idem_asgi.errors import BackendUnavailable, ClaimLost, ConfigurationError
 from idem_asgi.records import COMPLETED, IN_PROGRESS, Claimed, Existing, RecordKey, StoredResponse
-from tests.servers import POSTGRES_DSN, free_port, require
+from tests.support.servers import POSTGRES_DSN, free_port, require
 
 pytestmark = pytest.mark.postgres
 
@@ -388,9 +388,12 @@ async def test_purge_while_expired_keys_are_claimed_again(pg: PostgresBackend, r
     """Serving and purging at once: every new claim wins and its record survives the purge."""
     await fill(pg, expired=60, live=0)
     claims = [pg.claim(k(f"old-{i}"), b"new", lease=30, ttl=DAY) for i in range(60)]
-    results = await asyncio.gather(pg.purge(batch_size=7), *claims, pg.purge(batch_size=3))
-    assert all(isinstance(r, Claimed) for r in results[1:-1])
-    assert 0 <= results[0] + results[-1] <= 60
+    first = asyncio.ensure_future(pg.purge(batch_size=7))  # started in this order: a purge, the claims, a purge
+    claimed = asyncio.gather(*claims)
+    last = asyncio.ensure_future(pg.purge(batch_size=3))
+    purged_first, results, purged_last = await asyncio.gather(first, claimed, last)
+    assert all(isinstance(r, Claimed) for r in results)
+    assert 0 <= purged_first + purged_last <= 60
     assert await pg.purge() == 0
     assert await live_keys(pg, raw) == {f"old-{i}" for i in range(60)}
     for i in range(60):

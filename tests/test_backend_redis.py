@@ -1,25 +1,20 @@
 """RedisBackend on real servers: script loading, key layout, bursts, unix sockets, ownership, outages.
 
 Backend-only tests use the shared Redis (unique key prefixes, never a global command). Anything
-that flushes scripts, pauses, stops or kills a server runs on a throwaway `redis-server` started
-here on a free port, killed (process group, SIGKILL) on teardown even when the test fails.
+that flushes scripts, pauses, stops or kills a server runs on a throwaway `redis-server` (the
+`throwaway` fixture, `tests.support.servers.redis_process`) on a free port, killed (process group,
+SIGKILL) on teardown even when the test fails.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import os
 import re
-import shutil
 import signal
-import socket
-import subprocess
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -27,141 +22,17 @@ import pytest
 import redis.asyncio as aioredis
 
 from idem_asgi import IdempotencyMiddleware, RoutePolicy, backend_from_url
-from idem_asgi._types import Message, Receive, Scope, Send
 from idem_asgi.backends.redis import RedisBackend
 from idem_asgi.errors import BackendUnavailable, ConfigurationError
 from idem_asgi.records import Claimed, Existing, RecordKey, StoredResponse, encode_response
-from tests.servers import IN_CI, REDIS_URL, free_port, require
+from tests.support.pay import Answer, Payments, post
+from tests.support.servers import REDIS_URL, RedisProcess, redis_process, require, wait_until
+from tests.support.stores import make_backend
 
 pytestmark = pytest.mark.redis
 
 DAY = 86_400.0
 RESPONSE = StoredResponse(201, [(b"content-type", b"application/json")], b'{"ok":true}')
-
-
-# -- throwaway servers ---------------------------------------------------------------------
-
-
-def need_redis_server() -> None:
-    """Skip (laptop) or fail (CI) when the redis-server binary is missing."""
-    if shutil.which("redis-server") is None:
-        if IN_CI:
-            pytest.fail("redis-server not on PATH (CI=true: a missing tool fails the run)")
-        pytest.skip("redis-server not on PATH")
-
-
-def ping(*, port: int | None = None, path: str | None = None, timeout: float = 0.2) -> bool:
-    """True when a server answers PING on the TCP port or unix socket."""
-    try:
-        if path is not None:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                s.settimeout(timeout)
-                s.connect(path)
-                s.sendall(b"PING\r\n")
-                return s.recv(64).startswith(b"+PONG")
-        with socket.create_connection(("127.0.0.1", port or 0), timeout=timeout) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(64).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
-async def wait_until(condition: Callable[[], bool], within: float) -> None:
-    """Poll `condition` every 50 ms for at most `within` seconds."""
-    deadline = time.monotonic() + within
-    while not condition() and time.monotonic() < deadline:  # noqa: ASYNC110 - bounded poll of plain state
-        await asyncio.sleep(0.05)
-
-
-class RedisProcess:
-    """One `redis-server` in its own process group, on a fixed port (so it restarts where it was)."""
-
-    def __init__(self, workdir: Path, *, port: int | None = None, args: Sequence[str] = ()) -> None:
-        self.workdir = workdir
-        self.port = port if port is not None else free_port()
-        self.args = list(args)
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.unixsocket: str | None = None
-        if "--unixsocket" in self.args:
-            self.unixsocket = self.args[self.args.index("--unixsocket") + 1]
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self, timeout: float = 10.0) -> None:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        cmd = [
-            "redis-server",
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--enable-debug-command",
-            "local",
-            "--daemonize",
-            "no",
-            "--dir",
-            str(self.workdir),
-            *self.args,
-        ]
-        with (self.workdir / "server.log").open("ab") as log:
-            self.proc = subprocess.Popen(
-                cmd, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {self.log_tail()}")
-            if ping(port=None if self.port == 0 else self.port, path=self.unixsocket if self.port == 0 else None):
-                return
-            time.sleep(0.02)
-        self.kill()
-        raise RuntimeError(f"redis-server did not answer PING within {timeout}s: {self.log_tail()}")
-
-    def log_tail(self) -> str:
-        try:
-            return (self.workdir / "server.log").read_text(errors="replace")[-2000:]
-        except OSError:
-            return ""
-
-    def signal(self, sig: signal.Signals) -> None:
-        assert self.proc is not None and self.proc.poll() is None
-        os.killpg(self.proc.pid, sig)
-
-    def kill(self) -> None:
-        """SIGKILL the whole process group (also if it is stopped), and reap it."""
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
-
-
-@contextlib.contextmanager
-def redis_process(workdir: Path, *, port: int | None = None, args: Sequence[str] = ()) -> Iterator[RedisProcess]:
-    """A started throwaway server, killed on exit whatever happened."""
-    need_redis_server()
-    server = RedisProcess(workdir, port=port, args=args)
-    try:
-        server.start()
-        yield server
-    finally:
-        server.kill()
-
-
-@pytest.fixture
-def throwaway(tmp_path: Path) -> Iterator[RedisProcess]:
-    """A private redis-server (no persistence) on a free port."""
-    with redis_process(tmp_path / "redis") as server:
-        yield server
 
 
 @pytest.fixture
@@ -172,8 +43,7 @@ def prefix() -> str:
 @pytest.fixture
 async def shared(prefix: str) -> AsyncIterator[RedisBackend]:
     """A backend on the shared Redis under a key prefix no other test uses."""
-    require("redis", REDIS_URL)
-    backend = RedisBackend.from_url(REDIS_URL, prefix=prefix)
+    backend = await make_backend("redis", prefix=prefix)
     try:
         yield backend
     finally:
@@ -323,83 +193,6 @@ async def test_aclose_closes_what_from_url_created(prefix: str) -> None:
 TIMEOUT = 0.5  # the backend's timeout in outage tests; 503 must come within 2x this
 
 
-class Payments:
-    """A raw ASGI app that counts executions per idempotency key and answers 201 with a fresh uuid."""
-
-    def __init__(self, delay: float = 0.0) -> None:
-        self.delay = delay
-        self.runs: Counter[str] = Counter()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        while (await receive()).get("more_body", False):
-            pass
-        key = dict(scope["headers"])[b"idempotency-key"].decode()
-        self.runs[key] += 1
-        if self.delay:
-            await asyncio.sleep(self.delay)
-        body = json.dumps({"key": key, "id": uuid.uuid4().hex}).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        await send({"type": "http.response.start", "status": 201, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
-
-
-class Answer:
-    def __init__(self, status: int, headers: dict[bytes, bytes], body: bytes, elapsed: float) -> None:
-        self.status = status
-        self.headers = headers
-        self.body = body
-        self.elapsed = elapsed
-
-    @property
-    def replayed(self) -> bool:
-        return self.headers.get(b"idempotent-replayed") == b"true"
-
-    @property
-    def problem(self) -> str | None:
-        if self.headers.get(b"content-type") != b"application/problem+json":
-            return None
-        return str(json.loads(self.body)["type"]).rsplit(":", 1)[-1]
-
-
-async def post(app: Any, key: str, body: bytes = b'{"amount": 10}') -> Answer:
-    """One POST /pay through the ASGI app; never hangs longer than 10 s."""
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/pay",
-        "raw_path": b"/pay",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"idempotency-key", key.encode()), (b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 1234),
-        "server": ("127.0.0.1", 80),
-    }
-    sent: list[Message] = []
-    delivered = False
-    never = asyncio.Event()
-
-    async def receive() -> Message:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await never.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: Message) -> None:
-        sent.append(message)
-
-    started = time.monotonic()
-    await asyncio.wait_for(app(scope, receive, send), 10)
-    elapsed = time.monotonic() - started
-    start = next(m for m in sent if m["type"] == "http.response.start")
-    body_out = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    return Answer(start["status"], {bytes(k): bytes(v) for k, v in start["headers"]}, body_out, elapsed)
-
-
 def protect(app: Payments, backend: RedisBackend, *, lease: float = 30) -> IdempotencyMiddleware:
     return IdempotencyMiddleware(
         app,
@@ -470,7 +263,7 @@ async def test_stalled_server_answers_503_in_bounded_time_then_recovers(throwawa
             if how == "sigstop":
                 throwaway.signal(signal.SIGSTOP)
             else:
-                await admin.execute_command("CLIENT", "PAUSE", 2500, "WRITE")
+                await admin.execute_command("CLIENT", "PAUSE", 2500, "WRITE")  # type: ignore[no-untyped-call]  # untyped in redis-py
             try:
                 answers = await asyncio.gather(*(post(mw, k) for k in stalled))
                 for answer in answers:
@@ -480,7 +273,7 @@ async def test_stalled_server_answers_503_in_bounded_time_then_recovers(throwawa
                 if how == "sigstop":
                     throwaway.signal(signal.SIGCONT)
                 else:
-                    await admin.execute_command("CLIENT", "UNPAUSE")
+                    await admin.execute_command("CLIENT", "UNPAUSE")  # type: ignore[no-untyped-call]  # untyped in redis-py
         finally:
             await admin.aclose()
         retried = await asyncio.gather(*(settle(mw, k) for k in stalled))
@@ -513,7 +306,7 @@ async def test_storm_across_kill_and_restart_never_500s_nor_runs_twice(tmp_path:
             # Each key's 5 duplicates start together at a random moment of a 0.8 s window.
             starts = {k: (i % 40) * 0.02 for i, k in enumerate(storm)}
             tasks = [one(k, starts[k]) for k in storm for _ in range(5)]
-            *answers, _ = await asyncio.gather(*tasks, outage())
+            answers, _ = await asyncio.gather(asyncio.gather(*tasks), outage())
             statuses = Counter(a.status for a in answers)
             assert set(statuses) <= {201, 409, 503}, statuses
             assert statuses[503] > 0 and statuses[201] > 0, statuses  # the outage really hit the storm

@@ -32,25 +32,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from idem_asgi import IdempotencyMiddleware, RawBody, RoutePolicy
+from idem_asgi import IdempotencyMiddleware, RawBody, RoutePolicy, problems
 from idem_asgi.backends import MemoryBackend
 from idem_asgi.keys import scope_from_header
 from idem_asgi.records import COMPLETED, RecordKey
-from tests.asgi import Result
-from tests.hostile import (
-    BACKENDS,
-    Charge,
-    Recorder,
-    Store,
-    assert_problem,
-    call,
-    contract_key,
-    messages_of,
-    open_store,
-    scope_of,
-    status_of,
-)
-from tests.scorecard import report
+from tests.support.asgi import Result, drive, http_scope, messages_of
+from tests.support.hostile import Charge, Recorder, Store, contract_key, open_store, status_of
+from tests.support.problems import assert_problem
+from tests.support.scorecard import report
+from tests.support.stores import BACKENDS
 
 # 1,000 per property and store (about 10-20 s each on the network stores).
 # IDEM_BAD_INPUT_EXAMPLES=200 (one number: every store) or "memory=1000,redis=300,postgres=300".
@@ -197,14 +187,14 @@ def test_key_header_values(store: Store) -> None:
         headers = [(b"content-type", b"application/json")]
         headers += [(b"idempotency-key", v) for v in lines]
         headers.append((b"x-tenant", owner))
-        scope = scope_of(headers=headers)
+        scope = http_scope(raw_headers=headers, state={})
         calls_before = app.calls
-        first = store.run(call(mw, scope, messages_of([body])))
+        first = store.run(drive(mw, scope, messages=messages_of([body])))
         assert first.status < 500
         key = contract_key(lines[0])
         if len(lines) > 1 or key is None:
             seen["two_lines" if len(lines) > 1 else "malformed"] += 1
-            assert_problem(first, 400, "key-malformed")
+            assert_problem(first, problems.KEY_MALFORMED)
             assert app.calls == calls_before
             assert recorder.calls == []  # nothing claimed, nothing stored, not even read
             # and nothing under any key the raw value could be taken for
@@ -220,12 +210,12 @@ def test_key_header_values(store: Store) -> None:
         assert record is not None and record.state == COMPLETED and record.response is not None
         assert record.response.body == first.body
 
-        again = store.run(call(mw, scope, messages_of([body])))
+        again = store.run(drive(mw, scope, messages=messages_of([body])))
         assert_replay_of(again, first)
         assert app.calls == calls_before + 1
         # the bare and the quoted spelling are one key
-        respelled = scope_of(headers=[(b"idempotency-key", quoted(key.encode())), (b"x-tenant", owner)])
-        assert_replay_of(store.run(call(mw, respelled, messages_of([body]))), first)
+        respelled = http_scope(raw_headers=[(b"idempotency-key", quoted(key.encode())), (b"x-tenant", owner)], state={})
+        assert_replay_of(store.run(drive(mw, respelled, messages=messages_of([body]))), first)
         assert app.calls == calls_before + 1
 
     check()
@@ -346,14 +336,14 @@ def test_bodies(store: Store) -> None:
         body: bytes = case["body"]
         headers = [(b"idempotency-key", key), (b"x-tenant", owner)]
         headers += [(b"content-length", v) for v in case["lengths"]]
-        scope = scope_of(headers=headers)
+        scope = http_scope(raw_headers=headers, state={})
         messages = messages_of(case["chunks"])
         if case["disconnect"]:
             messages = [*messages[: case["cut"]], {"type": "http.disconnect"}]
             for m in messages[:-1]:
                 m["more_body"] = True
         calls_before = app.calls
-        first = store.run(call(mw, scope, messages))
+        first = store.run(drive(mw, scope, messages=messages))
         status = status_of(first)
         assert status is None or status < 500, first.messages
 
@@ -361,7 +351,7 @@ def test_bodies(store: Store) -> None:
         must, may = refused(sent, case["lengths"])
         if must or (may and status == 413):
             seen["413"] += 1
-            assert_problem(first, 413, "body-too-large")
+            assert_problem(first, problems.BODY_TOO_LARGE)
         elif case["disconnect"]:
             seen["disconnect"] += 1
             assert status is None  # nobody to answer; and nothing was claimed
@@ -382,13 +372,13 @@ def test_bodies(store: Store) -> None:
         assert record.fingerprint == hasher.digest()  # of the bytes sent, not of what was declared
 
         # the same bytes, chunked another way and declared honestly: a replay
-        honest = scope_of(headers=[*headers[:2], (b"content-length", b"%d" % len(body))])
-        replay = store.run(call(mw, honest, messages_of([body[i : i + 1] for i in range(len(body))])))
+        honest = http_scope(raw_headers=[*headers[:2], (b"content-length", b"%d" % len(body))], state={})
+        replay = store.run(drive(mw, honest, messages=messages_of([body[i : i + 1] for i in range(len(body))])))
         assert_replay_of(replay, first)
         # other bytes under the same key: refused, whatever Content-Length says
         other = body[:-1] + bytes([body[-1] ^ 1]) if body else b"x"
-        mismatch = store.run(call(mw, scope_of(headers=headers), messages_of([other])))
-        assert_problem(mismatch, 422, "fingerprint-mismatch")
+        mismatch = store.run(drive(mw, http_scope(raw_headers=headers, state={}), messages=messages_of([other])))
+        assert_problem(mismatch, problems.FINGERPRINT_MISMATCH)
         assert app.calls == calls_before + 1
         record = store.run(store.backend.get(rk))
         assert record is not None and record.state == COMPLETED and record.response is not None
@@ -523,7 +513,7 @@ def test_methods_and_paths(store: Store) -> None:
         recorder.calls.clear()
         owner = tenant()
         headers = [(b"x-tenant", owner)] + ([(b"idempotency-key", b"k-" + owner)] if with_key else [])
-        scope = scope_of(method, path, headers)
+        scope = http_scope(method, path, raw_headers=headers, state={})
         calls_before = app.calls
         received: list[Any] = []
 
@@ -552,7 +542,7 @@ def test_methods_and_paths(store: Store) -> None:
             return
         seen["protected"] += 1
         if not with_key:
-            assert_problem(result, 400, "key-required")
+            assert_problem(result, problems.KEY_REQUIRED)
             assert app.calls == calls_before and recorder.calls == []
             return
         seen["stored"] += 1
@@ -563,7 +553,7 @@ def test_methods_and_paths(store: Store) -> None:
         async def send_replay(message: Any) -> None:
             replay.messages.append(message)
 
-        store.run(mw(scope_of(method, path, headers), receive, send_replay))
+        store.run(mw(http_scope(method, path, raw_headers=headers, state={}), receive, send_replay))
         assert_replay_of(replay, result)
         assert app.calls == calls_before + 1
 
@@ -591,8 +581,10 @@ def test_a_decoded_newline_in_the_path_does_not_bypass_a_pattern_route(method: s
     headers = [(b"idempotency-key", b"nl-1"), (b"x-tenant", b"t")]
 
     async def scenario() -> tuple[Result, Result]:
-        first = await call(mw, scope_of(method, path, headers), messages_of([b"{}"]))
-        return first, await call(mw, scope_of(method, path, headers), messages_of([b"{}"]))
+        first = await drive(mw, http_scope(method, path, raw_headers=headers, state={}), messages=messages_of([b"{}"]))
+        return first, await drive(
+            mw, http_scope(method, path, raw_headers=headers, state={}), messages=messages_of([b"{}"])
+        )
 
     first, again = asyncio.run(scenario())
     assert first.status == 201 and recorder.calls == ["claim", "complete", "claim"]

@@ -25,7 +25,8 @@ from idem_asgi.backends.postgres import PostgresBackend
 from idem_asgi.backends.redis import RedisBackend
 from idem_asgi.cli import main, run
 from idem_asgi.records import COMPLETED, Claimed, RecordKey, StoredResponse
-from tests.servers import POSTGRES_DSN, REDIS_URL, free_port, require
+from tests.support.servers import POSTGRES_DSN, REDIS_URL, free_port, require
+from tests.support.stores import SHARED
 
 DAY = 86_400.0
 RESPONSE = StoredResponse(
@@ -43,9 +44,7 @@ class Store:
     backend: Backend
 
 
-@pytest.fixture(
-    params=[pytest.param("redis", marks=pytest.mark.redis), pytest.param("postgres", marks=pytest.mark.postgres)]
-)
+@pytest.fixture(params=SHARED)
 async def store(request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]) -> AsyncIterator[Store]:
     if request.param == "redis":
         require("redis", REDIS_URL)

@@ -1,7 +1,7 @@
 """The client half against the real middleware: one key per logical call, and the first answer, whatever breaks.
 
 In-process, a fault layer sits between the retry transport and `httpx.ASGITransport`; over TCP, a real
-uvicorn (on a background thread) sits behind `tests.faultproxy.FaultProxy` on 127.0.0.1. Every fault
+uvicorn (on a background thread) sits behind `tests.support.faultproxy.FaultProxy` on 127.0.0.1. Every fault
 case checks that the handler ran exactly once and that the caller got the stored answer, byte for byte.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -23,16 +22,17 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from idem_asgi import IdempotencyMiddleware, RoutePolicy, current_idempotency
 from idem_asgi._types import Receive, Scope, Send
 from idem_asgi.backends import Backend, MemoryBackend
 from idem_asgi.client import IdempotentRetrySyncTransport, IdempotentRetryTransport, was_replayed
 from idem_asgi.errors import BackendUnavailable
-from idem_asgi.records import ClaimResult, Record, RecordKey, StoredResponse
-from tests.asgi import read_body
-from tests.faultproxy import FaultProxy
+from idem_asgi.records import ClaimResult, RecordKey
+from tests.support.asgi import read_body
+from tests.support.faultproxy import FaultProxy
+from tests.support.servers import serving
+from tests.support.stores import Delegating
 
 pytestmark = pytest.mark.memory
 
@@ -108,11 +108,11 @@ def _key_of(scope: Scope) -> str | None:
     return next((v.decode() for k, v in scope["headers"] if k == b"idempotency-key"), None)
 
 
-class FlakyStore:
+class FlakyStore(Delegating):
     """Our Backend protocol around MemoryBackend; its first `failures` claims raise BackendUnavailable (-> 503)."""
 
     def __init__(self, failures: int = 1) -> None:
-        self.inner = MemoryBackend()
+        super().__init__(MemoryBackend())
         self.failures = failures
         self.claims = 0
 
@@ -121,30 +121,7 @@ class FlakyStore:
         if self.failures:
             self.failures -= 1
             raise BackendUnavailable("injected: store unreachable")
-        return await self.inner.claim(key, fingerprint, lease=lease, ttl=ttl)
-
-    async def takeover(
-        self, key: RecordKey, stale_token: int, fingerprint: bytes, *, lease: float, ttl: float
-    ) -> ClaimResult:
-        return await self.inner.takeover(key, stale_token, fingerprint, lease=lease, ttl=ttl)
-
-    async def complete(self, key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
-        return await self.inner.complete(key, token, response, ttl=ttl)
-
-    async def release(self, key: RecordKey, token: int) -> bool:
-        return await self.inner.release(key, token)
-
-    async def mark_failed(self, key: RecordKey, token: int) -> bool:
-        return await self.inner.mark_failed(key, token)
-
-    async def extend(self, key: RecordKey, token: int, *, lease: float) -> bool:
-        return await self.inner.extend(key, token, lease=lease)
-
-    async def get(self, key: RecordKey) -> Record | None:
-        return await self.inner.get(key)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
+        return await super().claim(key, fingerprint, lease=lease, ttl=ttl)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -488,39 +465,15 @@ class LiveServer:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))  # bound before uvicorn starts: no free-port race
-        port = sock.getsockname()[1]
-        config = uvicorn.Config(
-            self.shop,
-            host="127.0.0.1",
-            port=port,
-            lifespan="off",
-            ws="none",
-            log_level="warning",
-            timeout_graceful_shutdown=1,
-        )
-        server = uvicorn.Server(config)
-        serving = asyncio.create_task(server.serve(sockets=[sock]))
-        try:
-            for _ in range(2000):  # up to 20 s
-                if server.started or serving.done():
-                    break
-                await asyncio.sleep(0.01)
-            if not server.started:
-                raise RuntimeError("uvicorn did not start")
-            self.proxy = FaultProxy(port)
+        config = {"lifespan": "off", "ws": "none", "timeout_graceful_shutdown": 1}
+        async with serving(self.shop, start_within=20, stop_within=15, **config) as url:
+            self.proxy = FaultProxy(int(url.rsplit(":", 1)[1]))
             await self.proxy.start()
             try:
                 self._ready.set()
                 await self._stop.wait()
             finally:
                 await self.proxy.stop()
-        finally:
-            server.should_exit = True
-            await asyncio.wait_for(serving, timeout=15)
-            sock.close()
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import httpx
 from idem_asgi import IdempotencyMiddleware, RoutePolicy, problems
 from idem_asgi._types import Receive, Scope, Send
 from idem_asgi.backends import Backend
-from tests.asgi import read_body
+from tests.support.asgi import read_body
 
 
 class Counted:

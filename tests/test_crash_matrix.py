@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 
-from tests.crash_app import POINTS, UvicornServer, make_store
-from tests.scorecard import (
+from tests.crash_app import POINTS, launch, make_store
+from tests.support.scorecard import (
     ZERO_TOLERANCE,
     Answer,
     Ledger,
@@ -39,7 +39,7 @@ from tests.scorecard import (
     final_state,
     http_post,
 )
-from tests.servers import POSTGRES_DSN, REDIS_URL
+from tests.support.servers import POSTGRES_DSN, REDIS_URL, UvicornProcess
 
 pytestmark = pytest.mark.slow
 
@@ -64,8 +64,6 @@ EXPECTED = {
 assert set(EXPECTED) == set(POINTS)
 
 
-
-
 async def settle(port: int, key: str) -> list[Answer]:
     """RETRIES probes of `key`, then more (bounded, 4 s) while it still answers request-in-progress."""
     answers: list[Answer] = []
@@ -81,7 +79,7 @@ async def settle(port: int, key: str) -> list[Answer]:
     return answers
 
 
-async def crash_one_point(server: UvicornServer, keys: list[str]) -> tuple[list[Answer], int | None, float]:
+async def crash_one_point(server: UvicornProcess, keys: list[str]) -> tuple[list[Answer], int | None, float]:
     """Send every key at once to the crashing worker; (answers, its return code, when it died)."""
     answers = await asyncio.gather(*(http_post(server.port, k, timeout=10) for k in keys))
     code = await server.wait_dead(10)
@@ -109,7 +107,7 @@ async def test_crash_matrix(shared_store: str, tmp_path: Path) -> None:
         "IDEM_CRASH_WAIT": "3",
     }
     keys = {p: [f"{run}-{p}-{i}" for i in range(KEYS_PER_POINT)] for p in POINTS}
-    servers: dict[str, UvicornServer] = {}
+    servers: dict[str, UvicornProcess] = {}
     try:
         await ledger.setup()
         if kind == "postgres":
@@ -123,7 +121,7 @@ async def test_crash_matrix(shared_store: str, tmp_path: Path) -> None:
         async def start(name: str, point: str) -> None:
             async with gate:
                 env = {**base_env, "IDEM_CRASH_POINT": point}
-                servers[name] = server = UvicornServer(env, tmp_path / f"{name}.log")
+                servers[name] = server = launch(env, tmp_path / f"{name}.log")
                 await server.wait_ready(timeout=30)
 
         started = time.monotonic()

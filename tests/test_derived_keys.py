@@ -36,11 +36,13 @@ def client(backend: Backend, namespace: str, counts: Counter[str], **policy: Any
     routes = [
         RoutePolicy("/bookings", key=intent_key("user", "booking", "amount"), **policy),
         RoutePolicy("/webhooks/json", methods=["POST"], key=event_id(field="id"), required=True, single_tenant=True),
-        RoutePolicy("/webhooks/header", methods=["POST"], key=event_id(header="webhook-id"), required=True,
-                    single_tenant=True),
+        RoutePolicy(
+            "/webhooks/header", methods=["POST"], key=event_id(header="webhook-id"), required=True, single_tenant=True
+        ),
     ]
-    mw = IdempotencyMiddleware(counting_app(counts), backend=backend, routes=routes, namespace=namespace,
-                               scope=scope_from_header("x-user"))
+    mw = IdempotencyMiddleware(
+        counting_app(counts), backend=backend, routes=routes, namespace=namespace, scope=scope_from_header("x-user")
+    )
     # The bookings route is scoped by user: every request names its user (a missing one is 400).
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=mw), base_url="http://t", headers={"x-user": "u1"})
 

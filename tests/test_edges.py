@@ -21,7 +21,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
@@ -47,9 +46,9 @@ from idem_asgi.backends import Backend, MemoryBackend
 from idem_asgi.errors import BackendUnavailable, InvalidScope
 from idem_asgi.keys import MAX_SCOPE_LENGTH, stored_scope
 from idem_asgi.records import COMPLETED, IN_PROGRESS, ClaimResult, RecordKey
-from tests.asgi import Result, drive, http_scope, read_body
-from tests.servers import free_port
-from tests.support import assert_problem
+from tests.support.asgi import Result, drive, http_scope, read_body
+from tests.support.problems import assert_problem
+from tests.support.servers import ROOT, free_port, serving
 
 BODY = b'{"amount":1230,"currency":"EUR"}'
 
@@ -75,25 +74,6 @@ def charges_app(counts: Counter[str]) -> FastAPI:
         }
 
     return app
-
-
-@contextlib.asynccontextmanager
-async def serving(app: Any, **config: Any) -> AsyncIterator[str]:
-    """`app` under a real uvicorn on a free port, in this event loop; yields its base URL."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **config))
-    task = asyncio.create_task(server.serve())
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if task.done():
-            raise RuntimeError(f"uvicorn stopped before serving: {task.exception()!r}")
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
 
 
 # --- 1. mounted apps and root_path ---------------------------------------------------------------
@@ -190,7 +170,7 @@ def webhook_app(counts: Counter[str]) -> Any:
 
 async def test_derived_keys_belong_to_their_route(backend: Backend, namespace: str) -> None:
     counts: Counter[str] = Counter()
-    hook = {"methods": ["POST"], "key": event_id(field="id"), "required": True, "single_tenant": True}
+    hook: dict[str, Any] = {"methods": ["POST"], "key": event_id(field="id"), "required": True, "single_tenant": True}
     mw = IdempotencyMiddleware(
         webhook_app(counts),
         backend=backend,
@@ -546,7 +526,11 @@ async def test_a_scope_callable_returning_a_non_string_gets_a_problem_never_a_50
     runs: Counter[str] = Counter()
     path = f"/payments-{uuid.uuid4().hex[:8]}"
     mw = IdempotencyMiddleware(
-        webhook_app(runs), backend=backend, namespace=namespace, scope=lambda s: value, routes=[RoutePolicy(path)]
+        webhook_app(runs),
+        backend=backend,
+        namespace=namespace,
+        scope=lambda s: value,  # type: ignore[arg-type,return-value]  # not a str, on purpose
+        routes=[RoutePolicy(path)],
     )
     with caplog.at_level(logging.ERROR, logger="idem_asgi"):
         answer = await drive(mw, http_scope(path=path, key="k8"), [BODY])
@@ -572,7 +556,7 @@ async def test_a_scope_of_thousands_of_characters_is_stored_as_a_digest(backend:
             charges_app(counts),
             backend=backend,
             namespace=namespace,
-            scope=lambda s: 42,
+            scope=lambda s: 42,  # type: ignore[arg-type,return-value]  # not a str, on purpose
             routes=[RoutePolicy("/payments", methods=["POST"])],
         )
     assert first.status_code == 201 and again.headers["idempotent-replayed"] == "true"
@@ -679,9 +663,9 @@ async def test_request_state_is_shared_with_outer_middleware(backend: Backend, n
 
 @pytest.mark.postgres
 async def test_postgres_claim_context_ends_with_its_request() -> None:
-    from tests.conftest import make_backend
+    from tests.support.stores import make_backend
 
-    pg: Any = await make_backend("postgres")
+    pg = await make_backend("postgres")
     ledger = f"ledger_{uuid.uuid4().hex[:8]}"
     async with pg.transaction() as conn:
         await conn.execute(f"CREATE TABLE {ledger} (what text)")
@@ -772,7 +756,7 @@ async def test_litestar_per_route_instances_share_one_store_and_warn_once(caplog
     from litestar.middleware import DefineMiddleware
 
     from idem_asgi.testing import find_middleware
-    from tests.servers import REDIS_URL, require
+    from tests.support.servers import REDIS_URL, require
 
     require("redis", REDIS_URL)
     runs: Counter[str] = Counter()
@@ -795,7 +779,7 @@ async def test_litestar_per_route_instances_share_one_store_and_warn_once(caplog
             route_handlers=[pay, refund],
             middleware=[
                 DefineMiddleware(
-                    IdempotencyMiddleware,
+                    IdempotencyMiddleware,  # type: ignore[arg-type]  # Litestar types ASGI with its own TypedDicts
                     backend=url,
                     namespace=f"t-{uuid.uuid4().hex}",
                     strict=False,
@@ -836,7 +820,7 @@ async def test_trailers_are_stored_and_replayed(backend: Backend, namespace: str
     mw = IdempotencyMiddleware(
         app, backend=backend, namespace=namespace, routes=[RoutePolicy("/payments", single_tenant=True)]
     )
-    extensions = {"http.response.trailers": {}}
+    extensions: dict[str, Any] = {"http.response.trailers": {}}
     first = await drive(mw, http_scope(key="tr-1", extensions=extensions), [BODY])
     replay = await drive(mw, http_scope(key="tr-1", extensions=extensions), [BODY])
     no_trailers = await drive(mw, http_scope(key="tr-1"), [BODY])  # this server cannot send trailers
@@ -935,7 +919,7 @@ async def restricted_role() -> AsyncIterator[str]:
     """A Postgres role that may log in but has no rights on the idempotency table: its DSN."""
     import asyncpg
 
-    from tests.servers import POSTGRES_DSN, require
+    from tests.support.servers import POSTGRES_DSN, require
 
     require("postgres", POSTGRES_DSN)
     role = f"idem_norights_{uuid.uuid4().hex[:8]}"
@@ -955,7 +939,7 @@ async def test_a_postgres_role_without_rights_fails_at_start_up_not_per_request(
     restricted_role: str, table: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     from idem_asgi.backends.postgres import PostgresBackend
-    from tests.conftest import make_backend
+    from tests.support.stores import make_backend
 
     await (await make_backend("postgres")).aclose()  # the owner has created idem_test_records
     backend = PostgresBackend.from_dsn(restricted_role, table=table, min_size=1, max_size=2)
@@ -979,7 +963,7 @@ async def test_a_postgres_role_without_rights_fails_at_start_up_not_per_request(
 @pytest.mark.postgres
 async def test_a_postgres_database_that_does_not_exist_fails_at_start_up() -> None:
     from idem_asgi.backends.postgres import PostgresBackend
-    from tests.servers import POSTGRES_DSN, require
+    from tests.support.servers import POSTGRES_DSN, require
 
     require("postgres", POSTGRES_DSN)
     dsn = POSTGRES_DSN.rsplit("/", 1)[0] + "/no_such_database_idem"
@@ -999,11 +983,11 @@ async def test_a_redis_that_refuses_us_fails_at_start_up_not_per_request(tmp_pat
     import redis.asyncio as aioredis
 
     from idem_asgi.backends.redis import RedisBackend
-    from tests.test_backend_redis import redis_process
+    from tests.support.servers import redis_process
 
     with redis_process(tmp_path / "redis") as server:
         admin = aioredis.Redis(port=server.port)
-        await admin.execute_command("ACL", "SETUSER", "app", "on", ">right", "~*", "+@all", "-@scripting")
+        await admin.execute_command("ACL", "SETUSER", "app", "on", ">right", "~*", "+@all", "-@scripting")  # type: ignore[no-untyped-call]  # untyped in redis-py
         await admin.aclose()
         url = f"redis://app:{'wrong' if problem == 'wrong_password' else 'right'}@127.0.0.1:{server.port}/0"
         backend = RedisBackend.from_url(url)
@@ -1039,13 +1023,11 @@ def test_uvicorn_refuses_to_start_with_a_store_that_can_never_work(restricted_ro
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
     command = [sys.executable, "-m", "uvicorn", "--factory", "tests.store_check_app:app"]
     command += ["--port", str(free_port()), "--lifespan", "on"]
     env = {**os.environ, "IDEM_CHECK_DSN": restricted_role}
-    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 3, done.stderr[-2000:]  # uvicorn's "application start-up failed"
     assert "the idempotency store refuses this app" in done.stderr and "GRANT SELECT" in done.stderr
 
@@ -1064,7 +1046,7 @@ async def test_litestar_compression_config_is_inside_and_warned_about(caplog: py
             [pay],
             logging_config=None,
             compression_config=CompressionConfig(backend="gzip", minimum_size=500),
-            middleware=[DefineMiddleware(IdempotencyMiddleware, routes=[RoutePolicy("/payments", single_tenant=True)])],
+            middleware=[DefineMiddleware(IdempotencyMiddleware, routes=[RoutePolicy("/payments", single_tenant=True)])],  # type: ignore[arg-type]  # Litestar types ASGI with its own TypedDicts
         )
         async with client(inside) as c:
             await c.post("/payments", headers={"Idempotency-Key": "lz-1"})
@@ -1072,12 +1054,14 @@ async def test_litestar_compression_config_is_inside_and_warned_about(caplog: py
     # The README's way: the compressor wraps the whole app, so each replay is compressed for its request.
     backend = MemoryBackend()
     outside = GZipMiddleware(
-        Litestar(
+        Litestar(  # type: ignore[arg-type]  # Starlette and Litestar type ASGI apps differently
             [pay],
             logging_config=None,
             middleware=[
                 DefineMiddleware(
-                    IdempotencyMiddleware, backend=backend, routes=[RoutePolicy("/payments", single_tenant=True)]
+                    IdempotencyMiddleware,  # type: ignore[arg-type]  # Litestar types ASGI with its own TypedDicts
+                    backend=backend,
+                    routes=[RoutePolicy("/payments", single_tenant=True)],
                 )
             ],
         ),
@@ -1106,7 +1090,9 @@ async def test_litestar_per_route_instances_share_the_default_memory_store() -> 
 
     routes = [RoutePolicy("/payments", single_tenant=True), RoutePolicy("/refunds", single_tenant=True)]
     app = Litestar(
-        [pay, refund], logging_config=None, middleware=[DefineMiddleware(IdempotencyMiddleware, routes=routes)]
+        [pay, refund],
+        logging_config=None,
+        middleware=[DefineMiddleware(IdempotencyMiddleware, routes=routes)],  # type: ignore[arg-type]  # Litestar types ASGI with its own TypedDicts
     )
     async with client(app) as c:
         await c.post("/payments", headers={"Idempotency-Key": "dm-1"})

@@ -35,24 +35,16 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from idem_asgi import IdempotencyMiddleware, RoutePolicy
+from idem_asgi import IdempotencyMiddleware, RoutePolicy, problems
 from idem_asgi._types import Message, Receive, Scope, Send
 from idem_asgi.backends import MemoryBackend
 from idem_asgi.keys import scope_from_header
 from idem_asgi.records import COMPLETED, IN_PROGRESS, RecordKey
-from tests.asgi import Result, read_body
-from tests.hostile import (
-    BACKENDS,
-    Charge,
-    Recorder,
-    Store,
-    assert_problem,
-    call,
-    messages_of,
-    open_store,
-    scope_of,
-)
-from tests.scorecard import report
+from tests.support.asgi import Result, drive, http_scope, messages_of, read_body
+from tests.support.hostile import Charge, Recorder, Store, open_store
+from tests.support.problems import assert_problem
+from tests.support.scorecard import report
+from tests.support.stores import BACKENDS
 
 ROOT = Path(__file__).resolve().parent.parent
 ISOLATION_EXAMPLES = {"memory": 1000, "redis": 300, "postgres": 300}
@@ -76,7 +68,7 @@ def tenant_middleware(app: Any, backend: Any, namespace: str, **policy: Any) -> 
 
 
 def request_of(tenant: bytes, key: bytes) -> dict[str, Any]:
-    return scope_of(headers=[(b"idempotency-key", key), (b"x-tenant", tenant)])
+    return http_scope(raw_headers=[(b"idempotency-key", key), (b"x-tenant", tenant)], state={})
 
 
 # --- 1. scopes never meet --------------------------------------------------------------------
@@ -125,14 +117,14 @@ def test_two_scopes_never_see_each_others_records_or_bytes(store: Store) -> None
         async def scenario() -> None:
             nonlocal runs
             calls = app.calls
-            first_a = await call(mw, request_of(ta, ka), messages_of([body_a]))
-            first_b = await call(mw, request_of(tb, kb), messages_of([body_b]))
+            first_a = await drive(mw, request_of(ta, ka), messages=messages_of([body_a]))
+            first_b = await drive(mw, request_of(tb, kb), messages=messages_of([body_b]))
             # B's different body under A's key is no mismatch: B never sees A's record
             assert first_a.status == first_b.status == 201, (first_a.body, first_b.body)
             assert app.calls == calls + 2
             runs += 2
-            again_a = await call(mw, request_of(ta, ka), messages_of([body_a]))
-            again_b = await call(mw, request_of(tb, kb), messages_of([body_b]))
+            again_a = await drive(mw, request_of(ta, ka), messages=messages_of([body_a]))
+            again_b = await drive(mw, request_of(tb, kb), messages=messages_of([body_b]))
             assert again_a.body == first_a.body and again_b.body == first_b.body
             assert again_a.header("idempotent-replayed") == again_b.header("idempotent-replayed") == b"true"
             assert app.calls == calls + 2
@@ -146,7 +138,9 @@ def test_two_scopes_never_see_each_others_records_or_bytes(store: Store) -> None
                 assert record is not None and record.state == COMPLETED and record.response is not None
                 assert record.response.body == mine.body and other not in record.response.body
             # and A's key with B's body is still a mismatch within A's scope
-            assert_problem(await call(mw, request_of(ta, ka), messages_of([body_b])), 422, "fingerprint-mismatch")
+            assert_problem(
+                await drive(mw, request_of(ta, ka), messages=messages_of([body_b])), problems.FINGERPRINT_MISMATCH
+            )
 
         store.run(scenario())
 
@@ -173,7 +167,7 @@ def test_concurrent_bursts_of_two_scopes_on_one_key_stay_apart(store: Store, rou
 
         async def one(t: bytes) -> tuple[bytes, Result]:
             await asyncio.sleep(0)
-            return t, await call(mw, request_of(t, key), messages_of([bodies[t][:5], bodies[t][5:]]))
+            return t, await drive(mw, request_of(t, key), messages=messages_of([bodies[t][:5], bodies[t][5:]]))
 
         answers = await asyncio.gather(*(one(t) for t in order))
         assert app.calls == calls + 2
@@ -183,7 +177,7 @@ def test_concurrent_bursts_of_two_scopes_on_one_key_stay_apart(store: Store, rou
             other = next(o for o in bodies if o != t)
             assert answer.status in (201, 409), (answer.status, answer.body)
             if answer.status == 409:
-                assert_problem(answer, 409, "request-in-progress")
+                assert_problem(answer, problems.IN_PROGRESS)
                 outcomes["409"] += 1
                 continue
             outcomes["replay" if answer.header("idempotent-replayed") else "first"] += 1
@@ -191,7 +185,7 @@ def test_concurrent_bursts_of_two_scopes_on_one_key_stay_apart(store: Store, rou
             assert bodies[other] not in answer.body and b"tenant=" + other not in answer.body
             assert first.setdefault(t, answer.body) == answer.body
         for t in bodies:  # once done, each tenant replays its own answer
-            replay = await call(mw, request_of(t, key), messages_of([bodies[t]]))
+            replay = await drive(mw, request_of(t, key), messages=messages_of([bodies[t]]))
             assert replay.header("idempotent-replayed") == b"true" and bodies[t] in replay.body
             assert t not in first or replay.body == first[t]
 
@@ -245,7 +239,7 @@ class Router:
 
 
 def flood_request(path: str, key: bytes) -> dict[str, Any]:
-    return scope_of("POST", path, [(b"idempotency-key", key)])
+    return http_scope("POST", path, raw_headers=[(b"idempotency-key", key)], state={})
 
 
 def rss() -> int:
@@ -284,7 +278,7 @@ def test_a_flood_of_100k_keys_cannot_grow_the_memory_store_past_its_bound() -> N
             if message["type"] == "http.response.start":
                 status = message["status"]
 
-        await mw(scope_of("POST", "/pay", [(b"idempotency-key", key)]), receive, send)
+        await mw(http_scope("POST", "/pay", raw_headers=[(b"idempotency-key", key)], state={}), receive, send)
         return status
 
     def sizes() -> dict[str, int]:
@@ -297,7 +291,7 @@ def test_a_flood_of_100k_keys_cannot_grow_the_memory_store_past_its_bound() -> N
     async def scenario() -> None:
         # claims that stay running during the whole flood
         held = [
-            asyncio.create_task(call(mw, flood_request("/slow", b"held-%d" % i), messages_of([b"{}"])))
+            asyncio.create_task(drive(mw, flood_request("/slow", b"held-%d" % i), messages=messages_of([b"{}"])))
             for i in range(running)
         ]
         await gate.until_entered(running)
@@ -374,12 +368,14 @@ def test_a_memory_store_full_of_running_claims_answers_503_and_evicts_none() -> 
     body = messages_of([b"{}"])
 
     async def scenario() -> None:
-        held = [asyncio.create_task(call(mw, flood_request("/slow", b"run-%d" % i), body)) for i in range(bound)]
+        held = [
+            asyncio.create_task(drive(mw, flood_request("/slow", b"run-%d" % i), messages=body)) for i in range(bound)
+        ]
         await gate.until_entered(bound)
         assert len(backend) == bound
-        refused = [await call(mw, flood_request("/slow", b"more-%d" % i), body) for i in range(300)]
+        refused = [await drive(mw, flood_request("/slow", b"more-%d" % i), messages=body) for i in range(300)]
         for answer in refused:
-            doc = assert_problem(answer, 503, "store-unavailable")
+            doc = assert_problem(answer, problems.STORE_UNAVAILABLE)
             assert answer.header("retry-after") is not None, doc
         assert gate.entered == bound and len(backend) == bound  # nothing evicted, nothing extra ran
         running = [await backend.get(RecordKey.build("idem", None, f"run-{i}")) for i in range(bound)]
@@ -387,12 +383,12 @@ def test_a_memory_store_full_of_running_claims_answers_503_and_evicts_none() -> 
         gate.open.set()
         assert {a.status for a in await asyncio.gather(*held)} == {201}
         # completed answers are kept for their TTL: still no room, and every answer still replays
-        refused = [await call(mw, flood_request("/slow", b"more-%d" % i), body) for i in range(10)]
+        refused = [await drive(mw, flood_request("/slow", b"more-%d" % i), messages=body) for i in range(10)]
         assert {a.status for a in refused} == {503}
-        replays = [await call(mw, flood_request("/slow", b"run-%d" % i), body) for i in range(bound)]
+        replays = [await drive(mw, flood_request("/slow", b"run-%d" % i), messages=body) for i in range(bound)]
         assert {a.header("idempotent-replayed") for a in replays} == {b"true"}
         clock[0] += 7201  # their TTL is over: room again
-        retried = [await call(mw, flood_request("/slow", b"more-%d" % i), body) for i in range(bound)]
+        retried = [await drive(mw, flood_request("/slow", b"more-%d" % i), messages=body) for i in range(bound)]
         assert {a.status for a in retried} == {201} and len(backend) == bound
 
     asyncio.run(scenario())
@@ -405,7 +401,7 @@ CHILD = textwrap.dedent(
     import asyncio, gc, itertools, json, resource, sys, tracemalloc
     from idem_asgi import IdempotencyMiddleware, RoutePolicy
     from idem_asgi.backends import MemoryBackend
-    from tests.hostile import Recorder
+    from tests.support.hostile import Recorder
 
     mode = sys.argv[1]
     TOTAL, CHUNK = 100 << 20, 64 << 10
@@ -586,7 +582,7 @@ def test_unprotected_requests_stream_to_the_app_unbuffered(
             out.append(message)
 
         channel_ids.append(id(receive))
-        await asyncio.gather(mw(scope_of(method, path, headers), receive, send), client())
+        await asyncio.gather(mw(http_scope(method, path, raw_headers=headers, state={}), receive, send), client())
         assert [m is s for m, s in zip(seen, sent_messages, strict=True)] == [True] * n  # the very same messages
         assert Result(out).status == 200 and Result(out).body == b"%d" % (chunk * n)
 

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from idem_asgi.errors import MalformedKey
 from idem_asgi.keys import (
     MAX_KEY_LENGTH,
-    MalformedKey,
     parse_key,
     scope_from_header,
     scope_from_state,

@@ -20,8 +20,8 @@ from idem_asgi._types import Receive, Scope, Send
 from idem_asgi.backends import MemoryBackend
 from idem_asgi.errors import BackendUnavailable
 from idem_asgi.observe import Event
-from idem_asgi.records import COMPLETED, IN_PROGRESS, RecordKey, StoredResponse
-from tests.asgi import Result, drive, http_scope
+from idem_asgi.records import COMPLETED, IN_PROGRESS, Claimed, RecordKey, StoredResponse
+from tests.support.asgi import Result, drive, http_scope
 
 pytestmark = pytest.mark.memory
 
@@ -85,7 +85,8 @@ def record_key() -> RecordKey:
 
 
 async def test_failed_completion_is_stored_by_a_later_attempt_and_then_replayed() -> None:
-    app, store, events = Charge(), FlakyStore(failures=2), []
+    app, store = Charge(), FlakyStore(failures=2)
+    events: list[Event] = []
     mw = protect(app, store, events)
 
     first = await post(mw)
@@ -108,7 +109,8 @@ async def test_failed_completion_is_stored_by_a_later_attempt_and_then_replayed(
 async def test_completion_whose_reply_was_lost_is_recognised_not_rewritten() -> None:
     # The first write landed, its reply did not: the retry's write is refused (no longer in
     # progress) and the record read back shows our own token, so it counts as stored.
-    app, store, events = Charge(), FlakyStore(failures=1, lose_reply=True), []
+    app, store = Charge(), FlakyStore(failures=1, lose_reply=True)
+    events: list[Event] = []
     mw = protect(app, store, events)
 
     first = await post(mw)
@@ -122,7 +124,8 @@ async def test_completion_whose_reply_was_lost_is_recognised_not_rewritten() -> 
 
 
 async def test_a_takeover_meanwhile_fences_the_late_write_off(caplog: pytest.LogCaptureFixture) -> None:
-    app, store, events = Charge(), FlakyStore(failures=1), []
+    app, store = Charge(), FlakyStore(failures=1)
+    events: list[Event] = []
     mw = protect(app, store, events)
     gate = asyncio.Event()
     original = store.complete
@@ -133,7 +136,7 @@ async def test_a_takeover_meanwhile_fences_the_late_write_off(caplog: pytest.Log
             assert current is not None and current.state == IN_PROGRESS
             await store.release(key, token)
             claimed = await store.claim(key, b"other", lease=30, ttl=60)
-            assert claimed.token != token
+            assert isinstance(claimed, Claimed) and claimed.token != token
             gate.set()
         return await original(key, token, response, ttl=ttl)
 
@@ -153,7 +156,8 @@ async def test_gives_up_after_the_window_and_leaves_the_claim(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(_late_completions, "WINDOW", 0.3)
-    app, store, events = Charge(), FlakyStore(failures=10**6), []
+    app, store = Charge(), FlakyStore(failures=10**6)
+    events: list[Event] = []
     mw = protect(app, store, events)
 
     with caplog.at_level(logging.ERROR, logger="idem_asgi"):
@@ -172,7 +176,8 @@ async def test_pending_answers_are_bounded_in_bytes(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(_late_completions, "MAX_PENDING_BYTES", 10)
-    app, store, events = Charge(), FlakyStore(failures=1), []
+    app, store = Charge(), FlakyStore(failures=1)
+    events: list[Event] = []
     mw = protect(app, store, events)
 
     with caplog.at_level(logging.ERROR, logger="idem_asgi"):

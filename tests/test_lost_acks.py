@@ -34,13 +34,13 @@ from typing import Any
 
 import pytest
 
+from idem_asgi.backends._redis_scripts import CLAIM, COMPLETE
 from idem_asgi.backends.postgres import PostgresBackend
-from idem_asgi.backends.redis import CLAIM, COMPLETE, RedisBackend
+from idem_asgi.backends.redis import RedisBackend
 from idem_asgi.records import RecordKey
 from tests.crash_app import build
-from tests.faultproxy import StoreProxy, evalsha_of, pg_execute
-from tests.pg_cluster import Cluster, throwaway_cluster
-from tests.scorecard import (
+from tests.support.faultproxy import StoreProxy, evalsha_of, pg_execute
+from tests.support.scorecard import (
     Answer,
     Ledger,
     PostgresLedger,
@@ -50,7 +50,7 @@ from tests.scorecard import (
     assert_zero_tolerance,
     final_state,
 )
-from tests.test_backend_redis import RedisProcess, redis_process
+from tests.support.servers import PostgresCluster, RedisProcess, postgres_cluster, redis_process
 
 pytestmark = pytest.mark.slow
 
@@ -129,8 +129,8 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProc
 
 
 @pytest.fixture(scope="module")
-def pg_server() -> Iterator[Cluster]:
-    with throwaway_cluster() as cluster:
+def pg_server() -> Iterator[PostgresCluster]:
+    with postgres_cluster() as cluster:
         yield cluster
 
 
@@ -210,7 +210,7 @@ async def redis_rig(redis_server: RedisProcess) -> AsyncIterator[Rig]:
 
 
 @pytest.fixture
-async def pg_rig(pg_server: Cluster) -> AsyncIterator[Rig]:
+async def pg_rig(pg_server: PostgresCluster) -> AsyncIterator[Rig]:
     rig = Rig("postgres", pg_server.port, pg_server.dsn)
     try:
         await rig.start()
@@ -329,7 +329,7 @@ async def storm_with_resets(rig: Rig) -> dict[str, Any]:
             total += rig.proxy.reset_all()
         return total
 
-    *storm, reset = await asyncio.gather(*(one(i, k) for i, k in enumerate(order)), resets())
+    storm, reset = await asyncio.gather(asyncio.gather(*(one(i, k) for i, k in enumerate(order))), resets())
     card.fault("reset_all_connections", RESETS)
     card.fault("connections_reset", reset)
     card.add(*storm)

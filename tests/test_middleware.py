@@ -12,10 +12,9 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -36,139 +35,26 @@ from idem_asgi.backends import Backend, MemoryBackend
 from idem_asgi.context import IdempotencyInfo
 from idem_asgi.errors import ConfigurationError
 from idem_asgi.keys import scope_from_header
-from idem_asgi.records import COMPLETED, IN_PROGRESS, ClaimResult, Record, RecordKey
-from tests.asgi import drive, http_scope, read_body
-from tests.servers import POSTGRES_DSN, REDIS_URL, free_port, require
-from tests.support import assert_problem
-
-KEY = "pay-7f3a"
-BODY = b'{"amount":1230,"currency":"EUR"}'
-LEASE = 0.2
-
+from idem_asgi.records import COMPLETED, IN_PROGRESS, Record, RecordKey
+from tests.support.asgi import drive, http_scope, read_body
+from tests.support.charges import BODY, KEY, LEASE, Payments, crash_first_request, post, protect, rk
+from tests.support.problems import assert_problem
+from tests.support.servers import POSTGRES_DSN, REDIS_URL, free_port, require
+from tests.support.stores import SHARED, Delegating
 
 # --- helpers ---------------------------------------------------------------------------------
 
 
-class Payments:
-    """A raw ASGI payment endpoint that counts executions.
-
-    Each execution answers 201 with its own charge number, so a replay (charge 1 again) is
-    told apart from a second execution (charge 2). `gate` holds every execution until set;
-    `hang_first` makes the first execution hang forever (a holder that will be killed).
-    """
-
-    def __init__(self, *, gate: asyncio.Event | None = None, hang_first: bool = False, delay: float = 0.0) -> None:
-        self.calls = 0
-        self.bodies: list[bytes] = []
-        self.entered = asyncio.Event()
-        self.gate = gate
-        self.hang_first = hang_first
-        self.delay = delay
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await read_body(receive)
-        self.calls += 1
-        self.bodies.append(body)
-        n = self.calls
-        self.entered.set()
-        if self.hang_first and n == 1:
-            await asyncio.Event().wait()
-        if self.gate is not None:
-            await self.gate.wait()
-        if self.delay:
-            await asyncio.sleep(self.delay)
-        payload = json.dumps({"charge": n, "amount_body": body.decode("latin-1")}).encode()
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"x-charge", str(n).encode()),
-            (b"content-length", str(len(payload)).encode()),
-        ]
-        await send({"type": "http.response.start", "status": 201, "headers": headers})
-        await send({"type": "http.response.body", "body": payload, "more_body": False})
-
-
-class Tripwire:
+class Tripwire(Delegating):
     """A store that records every call and answers none: proves a request cost no store round trip."""
 
     def __init__(self) -> None:
+        super().__init__(MemoryBackend())  # never reached: every call is refused first
         self.calls: list[str] = []
 
-    async def claim(self, key: RecordKey, fingerprint: bytes, *, lease: float, ttl: float) -> ClaimResult:
-        self.calls.append("claim")
-        raise AssertionError("claim must not be called")
-
-    async def takeover(
-        self, key: RecordKey, stale_token: int, fingerprint: bytes, *, lease: float, ttl: float
-    ) -> ClaimResult:
-        self.calls.append("takeover")
-        raise AssertionError("takeover must not be called")
-
-    async def complete(self, key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
-        self.calls.append("complete")
-        raise AssertionError("complete must not be called")
-
-    async def release(self, key: RecordKey, token: int) -> bool:
-        self.calls.append("release")
-        raise AssertionError("release must not be called")
-
-    async def mark_failed(self, key: RecordKey, token: int) -> bool:
-        self.calls.append("mark_failed")
-        raise AssertionError("mark_failed must not be called")
-
-    async def extend(self, key: RecordKey, token: int, *, lease: float) -> bool:
-        self.calls.append("extend")
-        raise AssertionError("extend must not be called")
-
-    async def get(self, key: RecordKey) -> Record | None:
-        self.calls.append("get")
-        raise AssertionError("get must not be called")
-
-    async def aclose(self) -> None:
-        """Nothing to close."""
-
-
-def protect(
-    app: Any,
-    backend: Backend,
-    namespace: str = "idem",
-    *,
-    on_store_error: Literal["fail_closed", "fail_open"] = "fail_closed",
-    scope: Callable[[Scope], str | None] | None = None,
-    **policy: Any,
-) -> IdempotencyMiddleware:
-    """The middleware protecting POST /payments with the given policy options."""
-    policy.setdefault("single_tenant", scope is None)
-    return IdempotencyMiddleware(
-        app,
-        backend=backend,
-        namespace=namespace,
-        routes=[RoutePolicy("/payments", methods=["POST"], **policy)],
-        on_store_error=on_store_error,
-        scope=scope,
-    )
-
-
-async def post(
-    app: Any,
-    key: str | None = KEY,
-    body: bytes = BODY,
-    *,
-    path: str = "/payments",
-    headers: dict[str, str] | None = None,
-    raise_app_exceptions: bool = True,
-) -> httpx.Response:
-    """One POST through httpx's ASGI transport."""
-    sent = dict(headers or {})
-    if key is not None:
-        sent["Idempotency-Key"] = key
-    transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_app_exceptions)
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-        return await client.post(path, content=body, headers=sent)
-
-
-def rk(namespace: str, key: str = KEY, scope: str | None = None) -> RecordKey:
-    """The record key the middleware uses for (namespace, scope, key)."""
-    return RecordKey.build(namespace, scope, key)
+    def before(self, op: str, key: RecordKey) -> RecordKey:
+        self.calls.append(op)
+        raise AssertionError(f"{op} must not be called")
 
 
 @contextlib.asynccontextmanager
@@ -182,16 +68,6 @@ async def running(coro: Any) -> AsyncIterator[asyncio.Task[Any]]:
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-
-
-async def crash_first_request(mw: IdempotencyMiddleware, app: Payments) -> None:
-    """Start a request whose handler hangs, then kill it mid-operation and let its lease run out."""
-    task = asyncio.ensure_future(post(mw))
-    await asyncio.wait_for(app.entered.wait(), 5)
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    await asyncio.sleep(LEASE + 0.1)
 
 
 # --- the decision table, row by row ----------------------------------------------------------
@@ -634,9 +510,7 @@ async def test_lease_is_renewed_while_app_runs(backend: Backend, namespace: str)
     assert (await post(mw)).content == original.content
 
 
-@pytest.fixture(
-    params=[pytest.param("redis", marks=pytest.mark.redis), pytest.param("postgres", marks=pytest.mark.postgres)]
-)
+@pytest.fixture(params=SHARED)
 async def dead_store(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
     """A real driver pointed at a port where nothing listens."""
     backend: Backend

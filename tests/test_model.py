@@ -83,10 +83,11 @@ from idem_asgi._types import Receive, Scope, Send
 from idem_asgi.backends import Backend, MemoryBackend
 from idem_asgi.errors import BackendUnavailable
 from idem_asgi.keys import scope_from_header
-from idem_asgi.records import IN_PROGRESS, Claimed, ClaimResult, Record, RecordKey, StoredResponse
-from tests.asgi import Result, drive, http_scope, read_body
-from tests.scorecard import report
-from tests.servers import POSTGRES_DSN, REDIS_URL, require
+from idem_asgi.records import IN_PROGRESS, Claimed, ClaimResult, RecordKey, StoredResponse
+from tests.support.asgi import Result, drive, http_scope, read_body
+from tests.support.scorecard import report
+from tests.support.servers import POSTGRES_DSN, REDIS_URL, require
+from tests.support.stores import BACKENDS, Delegating
 
 T = TypeVar("T")
 
@@ -129,19 +130,19 @@ class Boom(Exception):
 # --- the store proxy: one worker's view of the shared store -----------------------------------
 
 
-class WorkerStore:
+class WorkerStore(Delegating):
     """One worker's store: the shared backend, until the worker dies (then every call raises).
 
     `mutant` breaks it on purpose, for `test_model_has_teeth`.
     """
 
     def __init__(self, inner: Backend, counters: Counter[str], mutant: str | None = None) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.dead = False
         self.counters = counters
         self.mutant = mutant
 
-    def _key(self, key: RecordKey) -> RecordKey:
+    def before(self, op: str, key: RecordKey) -> RecordKey:
         if self.dead:
             self.counters["calls_from_dead_workers"] += 1
             raise BackendUnavailable("this worker crashed")
@@ -150,19 +151,13 @@ class WorkerStore:
         return key
 
     async def claim(self, key: RecordKey, fingerprint: bytes, *, lease: float, ttl: float) -> ClaimResult:
-        key = self._key(key)
-        result = await self.inner.claim(key, fingerprint, lease=lease, ttl=ttl)
+        result = await super().claim(key, fingerprint, lease=lease, ttl=ttl)
         if self.mutant == "claim_always_wins" and not isinstance(result, Claimed):
             return Claimed(random.getrandbits(62) + 1)
         return result
 
-    async def takeover(
-        self, key: RecordKey, stale_token: int, fingerprint: bytes, *, lease: float, ttl: float
-    ) -> ClaimResult:
-        return await self.inner.takeover(self._key(key), stale_token, fingerprint, lease=lease, ttl=ttl)
-
     async def complete(self, key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
-        key = self._key(key)
+        key = self.before("complete", key)
         if self.mutant == "drop_complete":
             return True
         if self.mutant == "complete_unfenced":
@@ -170,7 +165,7 @@ class WorkerStore:
         return await self.inner.complete(key, token, response, ttl=ttl)
 
     async def release(self, key: RecordKey, token: int) -> bool:
-        key = self._key(key)
+        key = self.before("release", key)
         if self.mutant == "release_noop":
             return True
         if self.mutant == "release_unfenced":
@@ -187,13 +182,7 @@ class WorkerStore:
             # A cancelled request whose answer had started ends its lease at once: the one call a
             # cancellation makes. A killed worker runs no code, so its store never sees it.
             raise BackendUnavailable("this worker crashed")
-        return await self.inner.mark_failed(self._key(key), token)
-
-    async def extend(self, key: RecordKey, token: int, *, lease: float) -> bool:
-        return await self.inner.extend(self._key(key), token, lease=lease)
-
-    async def get(self, key: RecordKey) -> Record | None:
-        return await self.inner.get(self._key(key))
+        return await super().mark_failed(key, token)
 
     async def aclose(self) -> None:
         """The shared backend is closed by the harness, not by a worker."""
@@ -871,12 +860,6 @@ class IdempotencyModel(RuleBasedStateMachine):
 
 
 # --- the tests ---------------------------------------------------------------------------------
-
-BACKENDS = [
-    pytest.param("memory", marks=pytest.mark.memory),
-    pytest.param("redis", marks=pytest.mark.redis),
-    pytest.param("postgres", marks=pytest.mark.postgres),
-]
 
 
 def model_settings(examples: int, steps: int, *, derandomize: bool = True) -> settings:

@@ -11,9 +11,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections import Counter
@@ -23,89 +20,27 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from tests.servers import POSTGRES_DSN, REDIS_URL, free_port, require
+from tests.support.servers import POSTGRES_DSN, REDIS_URL, UvicornProcess, require
+from tests.support.stores import SHARED
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
 KEYS = 200
 DUPLICATES = 10
 IN_FLIGHT = 100
 
 
-class Instance:
-    """One `uvicorn tests.storm_app:app --workers 1` in its own process group."""
-
-    def __init__(self, env: dict[str, str], log: Path) -> None:
-        self.port = free_port()
-        self.log = log
-        with log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "uvicorn",
-                    "tests.storm_app:app",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(self.port),
-                    "--workers",
-                    "1",
-                    "--lifespan",
-                    "on",
-                    "--log-level",
-                    "warning",
-                    "--no-access-log",
-                ],
-                cwd=ROOT,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    async def wait_ready(self, timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"uvicorn exited with {self.proc.returncode}: {self.tail()}")
-            try:
-                status, _, _ = await asyncio.wait_for(request_once(self.port, b"GET", "/health"), 2)
-                if status == 200:
-                    return
-            except (OSError, asyncio.TimeoutError, ValueError, asyncio.IncompleteReadError):
-                pass
-            await asyncio.sleep(0.1)
-        raise RuntimeError(f"uvicorn on port {self.port} not ready within {timeout}s: {self.tail()}")
-
-    def tail(self) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-3000:]
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        """SIGTERM the group (graceful: lifespan closes the clients), SIGKILL after 10 s."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-
-
 @contextlib.asynccontextmanager
-async def two_instances(env: dict[str, str], tmp: Path) -> AsyncIterator[list[Instance]]:
-    instances: list[Instance] = []
+async def two_instances(env: dict[str, str], tmp: Path) -> AsyncIterator[list[UvicornProcess]]:
+    """Two `uvicorn tests.storm_app:app --workers 1`, each in its own process group."""
+    instances: list[UvicornProcess] = []
     try:
         for i in range(2):
-            instances.append(Instance(env, tmp / f"uvicorn-{i}.log"))
+            instances.append(
+                UvicornProcess("tests.storm_app:app", env, tmp / f"uvicorn-{i}.log", args=["--lifespan", "on"])
+            )
         for instance in instances:
-            await instance.wait_ready()
+            await instance.wait_ready(timeout=20)
         yield instances
     finally:
         for instance in instances:
@@ -130,18 +65,6 @@ async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[bytes, by
         headers[name.strip().lower()] = value.strip()
     body = await reader.readexactly(int(headers.get(b"content-length", b"0")))
     return status, headers, body
-
-
-async def request_once(port: int, method: bytes, path: str) -> tuple[int, dict[bytes, bytes], bytes]:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(build(method, path))
-        await writer.drain()
-        return await read_answer(reader)
-    finally:
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
 
 
 async def storm(
@@ -178,9 +101,7 @@ async def storm(
     return answers
 
 
-@pytest.fixture(
-    params=[pytest.param("redis", marks=pytest.mark.redis), pytest.param("postgres", marks=pytest.mark.postgres)]
-)
+@pytest.fixture(params=SHARED)
 def store(request: pytest.FixtureRequest) -> str:
     require("redis", REDIS_URL)  # the execution counter lives in Redis either way
     if request.param == "postgres":
@@ -218,7 +139,6 @@ async def test_two_instances_storm_executes_each_key_exactly_once(store: str, tm
         "IDEM_STORM_NAMESPACE": namespace,
         "IDEM_STORM_COUNTER_URL": REDIS_URL,
         "IDEM_STORM_COUNTER": counter,
-        "PYTHONPATH": str(ROOT),
     }
     keys = [f"{run}-{i:03d}" for i in range(KEYS)]
     try:

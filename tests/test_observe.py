@@ -122,7 +122,8 @@ async def test_log_observer_writes_structured_records(caplog: pytest.LogCaptureF
     async with client(app_answering(), LogObserver()) as c:
         await c.post("/pay", headers={"Idempotency-Key": "k"})
         await c.post("/pay", headers={"Idempotency-Key": "k"})
-    events = [(r.idem_event, r.idem_key, r.idem_route) for r in caplog.records if hasattr(r, "idem_event")]
+    fields = [vars(r) for r in caplog.records if hasattr(r, "idem_event")]  # the `extra` of each record
+    events = [(f["idem_event"], f["idem_key"], f["idem_route"]) for f in fields]
     assert events == [("claimed", "k", "/pay"), ("completed", "k", "/pay"), ("replayed", "k", "/pay")]
 
 

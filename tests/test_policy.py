@@ -16,7 +16,7 @@ from idem_asgi.errors import ConfigurationError
 from idem_asgi.keys import scope_from_header
 from idem_asgi.policy import seconds
 from idem_asgi.routing import compile_path
-from tests.asgi import drive, http_scope
+from tests.support.asgi import drive, http_scope
 
 
 def test_defaults_match_the_contract() -> None:

@@ -13,18 +13,17 @@ import pytest
 
 from idem_asgi import IdempotencyMiddleware, RoutePolicy, StoredResponse
 from idem_asgi._types import Receive, Scope, Send
-from idem_asgi.backends.postgres import ClaimLost, PostgresBackend
+from idem_asgi.backends.postgres import PostgresBackend
+from idem_asgi.errors import ClaimLost
 from idem_asgi.records import Claimed, Record, RecordKey
-from tests.servers import POSTGRES_DSN, require
+from tests.support.stores import make_backend
 
 pytestmark = pytest.mark.postgres
 
 
 @pytest.fixture
 async def pg() -> AsyncIterator[PostgresBackend]:
-    require("postgres", POSTGRES_DSN)
-    backend = PostgresBackend.from_dsn(POSTGRES_DSN, table="idem_test_records", min_size=1, max_size=4)
-    await backend.setup()
+    backend = await make_backend("postgres", pool=4)
     try:
         yield backend
     finally:

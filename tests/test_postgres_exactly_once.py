@@ -19,8 +19,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -31,54 +29,30 @@ import httpx
 import pytest
 
 from idem_asgi.backends.postgres import PostgresBackend
-from tests.servers import POSTGRES_DSN, free_port, reachable, require
+from tests.support.servers import POSTGRES_DSN, UvicornProcess, require
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[1]
 N = 4  # keys per kind
 
 
-class Worker:
-    def __init__(self, env: dict[str, str], log: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log = log.open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "tests.xo_app:app", "--host", "127.0.0.1", "--port", str(self.port),
-             "--no-access-log", "--log-level", "warning"],
-            cwd=ROOT,
-            env={**os.environ, **env},
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )  # fmt: skip
+def worker(env: dict[str, str], log: Path) -> UvicornProcess:
+    """`uvicorn tests.xo_app:app`, one process, with `env` over this process's environment."""
+    return UvicornProcess("tests.xo_app:app", {**os.environ, **env}, log)
 
-    def wait_ready(self, timeout: float = 20) -> None:
-        deadline = time.monotonic() + timeout
-        while not reachable(self.url):
-            assert self.proc.poll() is None, f"worker exited with {self.proc.returncode}"
-            assert time.monotonic() < deadline, "worker did not start"
-            time.sleep(0.05)
 
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
+def url_of(server: UvicornProcess) -> str:
+    return f"http://127.0.0.1:{server.port}"
 
 
 @pytest.fixture
-def workers(tmp_path: Path) -> Iterator[list[Worker]]:
-    started: list[Worker] = []
+def workers(tmp_path: Path) -> Iterator[list[UvicornProcess]]:
+    started: list[UvicornProcess] = []
     try:
         yield started
     finally:
         for w in started:
-            w.kill(signal.SIGTERM)
+            w.stop()
 
 
 @pytest.fixture
@@ -110,7 +84,7 @@ async def poll(what: str, check: Callable[[], Awaitable[bool]], timeout: float =
 
 
 async def test_sigkill_mid_request_leaves_exactly_one_ledger_row_per_key(
-    tables: tuple[str, str, str], workers: list[Worker], tmp_path: Path
+    tables: tuple[str, str, str], workers: list[UvicornProcess], tmp_path: Path
 ) -> None:
     records, ledger, app_name = tables
     env = {"IDEM_XO_DSN": POSTGRES_DSN, "IDEM_XO_RECORDS": records, "IDEM_XO_LEDGER": ledger,
@@ -123,10 +97,10 @@ async def test_sigkill_mid_request_leaves_exactly_one_ledger_row_per_key(
     naive = [f"naive-{tag}-{i}" for i in range(N)]
     body = b'{"amount": 100}'
     try:
-        first = Worker(env, tmp_path / "worker-1.log")
+        first = worker(env, tmp_path / "worker-1.log")
         workers.append(first)
-        first.wait_ready()
-        async with httpx.AsyncClient(base_url=first.url, timeout=30) as client:
+        await first.wait_ready(timeout=20)
+        async with httpx.AsyncClient(base_url=url_of(first), timeout=30) as client:
             for key in done:
                 r = await client.post("/pay", content=body, headers={"Idempotency-Key": key})
                 assert r.status_code == 201, r.text
@@ -150,7 +124,8 @@ async def test_sigkill_mid_request_leaves_exactly_one_ledger_row_per_key(
                 return bool(idle_in_tx == N and committed == 2 * N)
 
             await poll("every hanging request to park", all_parked)
-            first.kill(signal.SIGKILL)
+            first.signal(signal.SIGKILL)
+            assert await first.wait_dead(10) is not None
             outcomes = await asyncio.wait_for(in_flight, 10)
         assert all(isinstance(o, httpx.TransportError) for o in outcomes), outcomes  # no answer to anyone
 
@@ -162,12 +137,12 @@ async def test_sigkill_mid_request_leaves_exactly_one_ledger_row_per_key(
         await poll("the killed worker's transactions to roll back", rolled_back)
         assert await db.fetchval(f"SELECT count(*) FROM {ledger} WHERE key = ANY($1)", in_tx) == 0
 
-        second = Worker(env, tmp_path / "worker-2.log")
+        second = worker(env, tmp_path / "worker-2.log")
         workers.append(second)
-        second.wait_ready()
+        await second.wait_ready(timeout=20)
         final: dict[str, httpx.Response] = {}
         waits: dict[str, int] = {}
-        async with httpx.AsyncClient(base_url=second.url, timeout=30) as client:
+        async with httpx.AsyncClient(base_url=url_of(second), timeout=30) as client:
 
             async def retry(path: str, key: str) -> None:
                 for attempt in range(80):  # bounded: the 1 s lease must run out first

@@ -6,7 +6,7 @@
 
 Each time: every answer is 201 (first or replay), 409 or 503, never 500; no key runs twice; and
 the same middleware object serves new keys normally once the server is back. (a) and (b) print one
-scorecard line each (tests/scorecard.py) over the storm keys: the storm, then one more request
+scorecard line each (tests/support/scorecard.py) over the storm keys: the storm, then one more request
 per key after the fault.
 """
 
@@ -27,8 +27,8 @@ import pytest
 from idem_asgi import IdempotencyMiddleware, RoutePolicy
 from idem_asgi._types import Receive, Scope, Send
 from idem_asgi.backends.postgres import PostgresBackend
-from tests.pg_cluster import Cluster, throwaway_cluster
-from tests.scorecard import Answer, Scorecard, final_state
+from tests.support.scorecard import Answer, Scorecard, final_state
+from tests.support.servers import PostgresCluster, postgres_cluster
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
@@ -37,12 +37,12 @@ DUPS = 5
 
 
 @pytest.fixture(scope="session")
-def cluster() -> Iterator[Cluster]:
-    with throwaway_cluster() as c:
+def cluster() -> Iterator[PostgresCluster]:
+    with postgres_cluster() as c:
         yield c
 
 
-def ensure_running(cluster: Cluster) -> None:
+def ensure_running(cluster: PostgresCluster) -> None:
     cluster.thaw()
     if not (cluster.data / "postmaster.pid").exists():
         cluster.start()
@@ -68,7 +68,7 @@ class Ledger:
 
 
 class Rig:
-    def __init__(self, cluster: Cluster, *, timeout: float = 1.0, lease: float = 30) -> None:
+    def __init__(self, cluster: PostgresCluster, *, timeout: float = 1.0, lease: float = 30) -> None:
         self.app_name = f"idem-fault-{uuid.uuid4().hex[:8]}"
         self.backend = PostgresBackend.from_dsn(
             cluster.dsn,
@@ -126,7 +126,7 @@ class Rig:
             return await fault()
 
         jobs = [one(key) for key in keys for _ in range(DUPS)]
-        *answers, _ = await asyncio.gather(*jobs, inject())
+        answers, _ = await asyncio.gather(asyncio.gather(*jobs), inject())
         self.storm_keys = keys
         return Counter(answers)
 
@@ -135,7 +135,7 @@ class Rig:
         fresh = [await self.post(f"after-{uuid.uuid4().hex}") for _ in range(10)]
         assert [r.status_code for r in fresh] == [201] * 10
         assert all(r.headers.get("idempotent-replayed") is None for r in fresh)
-        again = Counter()
+        again: Counter[str] = Counter()
         for key in self.storm_keys:
             r = await self.post(key)
             again["replay" if r.headers.get("idempotent-replayed") else str(r.status_code)] += 1
@@ -164,7 +164,7 @@ class Rig:
 
 
 @pytest.fixture
-async def rig(cluster: Cluster) -> AsyncIterator[Rig]:
+async def rig(cluster: PostgresCluster) -> AsyncIterator[Rig]:
     ensure_running(cluster)
     r = Rig(cluster)
     try:
@@ -177,7 +177,7 @@ async def rig(cluster: Cluster) -> AsyncIterator[Rig]:
             await r.aclose()
 
 
-async def test_terminated_connections_mid_storm(cluster: Cluster, rig: Rig) -> None:
+async def test_terminated_connections_mid_storm(cluster: PostgresCluster, rig: Rig) -> None:
     admin = await asyncpg.connect(cluster.dsn)
     terminated = 0
 
@@ -210,7 +210,7 @@ async def test_terminated_connections_mid_storm(cluster: Cluster, rig: Rig) -> N
     )
 
 
-async def test_immediate_restart_mid_storm(cluster: Cluster, rig: Rig) -> None:
+async def test_immediate_restart_mid_storm(cluster: PostgresCluster, rig: Rig) -> None:
     restart_took = 0.0
 
     async def restart() -> None:
@@ -253,7 +253,7 @@ def assert_unavailable(results: list[tuple[float, httpx.Response]], bound: float
         assert took < bound, f"503 took {took:.2f}s"
 
 
-async def test_stopped_server_answers_503_at_once_and_recovers(cluster: Cluster, rig: Rig) -> None:
+async def test_stopped_server_answers_503_at_once_and_recovers(cluster: PostgresCluster, rig: Rig) -> None:
     assert (await rig.post("warm-up")).status_code == 201
     cluster.stop()
     results = await timed_posts(rig, 5)
@@ -275,7 +275,7 @@ async def test_stopped_server_answers_503_at_once_and_recovers(cluster: Cluster,
     )
 
 
-async def test_frozen_server_answers_503_within_the_timeout_and_recovers(cluster: Cluster, rig: Rig) -> None:
+async def test_frozen_server_answers_503_within_the_timeout_and_recovers(cluster: PostgresCluster, rig: Rig) -> None:
     assert (await rig.post("warm-up")).status_code == 201
     cold = Rig(cluster)  # a backend that has not connected yet: its pool is made on first use
     cluster.freeze()

@@ -12,7 +12,8 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 
-from tests.servers import REDIS_URL, require
+from idem_asgi.backends import Backend
+from tests.support.servers import REDIS_URL, require
 
 pytestmark = pytest.mark.redis
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -42,14 +43,16 @@ async def test_readme_quickstart_gives_one_charge_under_200_concurrent_retries()
     key = f"readme-{uuid.uuid4().hex}"
     headers = {"Idempotency-Key": key, "X-Tenant-Id": "t-1"}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-        answers = await asyncio.gather(*[client.post("/payments", json={"amount": 1}, headers=headers)
-                                         for _ in range(200)])
+        answers = await asyncio.gather(
+            *[client.post("/payments", json={"amount": 1}, headers=headers) for _ in range(200)]
+        )
         late = await client.post("/payments", json={"amount": 1}, headers=headers)
     assert charges == [key]
     first = next(a for a in answers if a.status_code == 201 and "idempotent-replayed" not in a.headers)
     assert all(a.status_code == 409 or a.content == first.content for a in answers)
     assert late.content == first.content and late.headers["idempotent-replayed"] == "true"
     backend = app.user_middleware[0].kwargs["backend"]
+    assert isinstance(backend, Backend)
     await backend.aclose()
 
 

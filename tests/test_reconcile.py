@@ -15,16 +15,13 @@ from idem_asgi import problems
 from idem_asgi.backends import Backend
 from idem_asgi.backends.redis import RedisBackend
 from idem_asgi.context import held_claim
-from idem_asgi.reconcile import ReconcilableBackend, ReconcileReport, reconcile, resolver_from_recover
+from idem_asgi.reconcile import ReconcilableBackend, ReconcileReport, Resolution, reconcile, resolver_from_recover
 from idem_asgi.records import COMPLETED, IN_PROGRESS, Claimed, Record, RecordKey, StaleRecord, StoredResponse
-from tests.asgi import drive, http_scope
-from tests.conftest import make_backend
-from tests.servers import REDIS_URL, require
-from tests.test_middleware import BODY, KEY, LEASE, Payments, assert_problem, crash_first_request, post, protect, rk
-from tests.test_redis_cluster import (
-    RedisProcess,
-    cluster,  # noqa: F401 - the module-scoped three-primary cluster fixture
-)
+from tests.support.asgi import drive, http_scope
+from tests.support.charges import BODY, KEY, LEASE, Payments, crash_first_request, post, protect, rk
+from tests.support.problems import assert_problem
+from tests.support.servers import RedisProcess
+from tests.support.stores import make_backend
 
 DAY = 86_400.0
 FOUND = StoredResponse(
@@ -135,7 +132,7 @@ async def test_a_holder_that_renewed_its_lease_meanwhile_is_not_released(backend
     """A release is fenced by the lease too (takeover first): a revived holder keeps its claim."""
     token = await stuck_claim(backend, namespace)
 
-    async def resolve(s: StaleRecord) -> str:
+    async def resolve(s: StaleRecord) -> Literal["release"]:
         assert await backend.extend(s.key, s.record.token, lease=30)  # the holder was only paused
         return "release"
 
@@ -152,11 +149,11 @@ async def test_a_resolver_that_raises_is_counted_and_the_run_goes_on(backend: Ba
         assert isinstance(await backend.claim(key, b"fp", lease=0.05 * (i + 1), ttl=DAY), Claimed)
     await asyncio.sleep(0.35)
 
-    def resolve(s: StaleRecord) -> str | None:  # a plain function works too
+    def resolve(s: StaleRecord) -> Resolution:  # a plain function works too
         if s.key.key == "k1":
             raise RuntimeError("provider timed out")
         if s.key.key == "k2":
-            return "complete it, please"  # not a valid answer
+            return "complete it, please"  # type: ignore[return-value]  # not a valid answer, on purpose
         return "release"
 
     report = await reconcile(store(backend), resolve, older_than=0, namespace=namespace, concurrency=3)
@@ -241,8 +238,7 @@ async def test_postgres_committed_effect_is_completed_under_its_token_never_rele
 
 @pytest.fixture
 async def redis_backend() -> AsyncIterator[RedisBackend]:
-    require("redis", REDIS_URL)
-    b = RedisBackend.from_url(REDIS_URL, prefix=f"idem-test:{uuid.uuid4().hex}:")
+    b = await make_backend("redis")
     try:
         yield b
     finally:
@@ -291,7 +287,7 @@ async def test_redis_stale_pages_through_scan_batches(redis_backend: RedisBacken
 
 
 @pytest.mark.redis
-async def test_redis_cluster_stale_scans_every_primary(cluster: list[RedisProcess], namespace: str) -> None:  # noqa: F811
+async def test_redis_cluster_stale_scans_every_primary(cluster: list[RedisProcess], namespace: str) -> None:
     backend = RedisBackend.from_url(cluster[0].url, cluster=True, prefix=f"idem-test:{uuid.uuid4().hex}:", timeout=10)
     try:
         keys = [RecordKey.build(namespace, "tenant", f"k{i}") for i in range(24)]

@@ -1,4 +1,4 @@
-"""RedisBackend on a real three-primary Redis Cluster, started here in a temporary directory.
+"""RedisBackend on a real three-primary Redis Cluster (the `cluster` fixture), in a temporary directory.
 
 Records hash by their `{digest}` tag, so they spread over the nodes; every script touches one
 key, so every operation runs on the record's own node.
@@ -7,13 +7,8 @@ key, so every operation runs on the record's own node.
 from __future__ import annotations
 
 import asyncio
-import shutil
-import socket
-import subprocess
-import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import ExitStack
+from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -22,59 +17,13 @@ from idem_asgi import IdempotencyMiddleware, RoutePolicy
 from idem_asgi.backends.redis import RedisBackend
 from idem_asgi.errors import ConfigurationError
 from idem_asgi.records import Claimed, Existing, RecordKey, StoredResponse
-from tests.servers import free_port
-from tests.test_backend_redis import Payments, RedisProcess, need_redis_server, post, redis_process
+from tests.support.pay import Payments, post
+from tests.support.servers import RedisProcess, redis_cli
 
 pytestmark = pytest.mark.redis
 
 DAY = 86_400.0
 RESPONSE = StoredResponse(201, [(b"content-type", b"application/json"), (b"x-a", b"1")], b'{"paid":true}')
-
-
-def cluster_port() -> int:
-    """A free port N with N + 10000 (the cluster bus) free too, so N <= 55535."""
-    for _ in range(200):
-        port = free_port()
-        if port > 55535:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port pair for a cluster node")
-
-
-def cli(*args: str, timeout: float = 30) -> str:
-    done = subprocess.run(["redis-cli", *args], capture_output=True, timeout=timeout, check=True)
-    return done.stdout.decode(errors="replace")
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RedisProcess]]:
-    """Three primaries, no replicas, all slots assigned; killed on teardown."""
-    need_redis_server()
-    if shutil.which("redis-cli") is None:
-        pytest.skip("redis-cli not on PATH")
-    base = tmp_path_factory.mktemp("cluster")
-    with ExitStack() as stack:
-        nodes = []
-        for i in range(3):
-            workdir = base / f"node{i}"
-            args = ["--cluster-enabled", "yes", "--cluster-config-file", str(workdir / "nodes.conf")]
-            nodes.append(stack.enter_context(redis_process(workdir, port=cluster_port(), args=args)))
-        addresses = [f"127.0.0.1:{n.port}" for n in nodes]
-        cli("--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes")
-        deadline = time.monotonic() + 20
-        while True:
-            infos = [cli("-p", str(n.port), "cluster", "info", timeout=5) for n in nodes]
-            if all("cluster_state:ok" in info for info in infos):
-                break
-            if time.monotonic() > deadline:
-                pytest.fail(f"cluster did not reach cluster_state:ok: {infos}")
-            time.sleep(0.1)
-        yield nodes
 
 
 @pytest.fixture
@@ -163,7 +112,7 @@ async def test_scripts_reload_after_a_node_flushes_them(backend: RedisBackend, c
     for i in range(10):
         assert isinstance(await backend.claim(rk(f"warm-{i}"), b"fp", lease=30, ttl=DAY), Claimed)
     for node in cluster:
-        cli("-p", str(node.port), "script", "flush", timeout=5)
+        redis_cli("-p", str(node.port), "script", "flush", timeout=5)
     for i in range(30):
         claimed = await backend.claim(rk(f"after-{i}"), b"fp", lease=30, ttl=DAY)
         assert isinstance(claimed, Claimed)

@@ -1,6 +1,6 @@
 """Retry storms with the executions counted outside the middleware (a ledger), per backend.
 
-The sizes are the issue's CI tier and live in one place, `SIZES` (the soak, `tests/soak.py`, reruns
+The sizes are the issue's CI tier and live in one place, `SIZES` (the soak, `tools/soak.py`, reruns
 these very tests with other seeds):
 1. One key x 1,000 concurrent requests, in process (raw ASGI, all started at once).
 2. 1,000 keys x 50 duplicates = 50,000 requests in a seeded random order (`IDEM_STORM_SEED`), at
@@ -11,7 +11,7 @@ these very tests with other seeds):
 
 Asserted every time: every key executed exactly once (ledger), every duplicate is a 409
 `request-in-progress` or a byte-identical replay, nothing else (no 422, no 5xx, no 503).
-Each run prints one scorecard line (tests/scorecard.py).
+Each run prints one scorecard line (tests/support/scorecard.py).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import Any
 
 import pytest
 
-from tests.crash_app import UvicornServer, build, make_store
-from tests.scorecard import (
+from tests.crash_app import build, launch, make_store
+from tests.support.scorecard import (
     Answer,
     HttpConnection,
     Ledger,
@@ -43,7 +43,8 @@ from tests.scorecard import (
     assert_zero_tolerance,
     cleanup_store,
 )
-from tests.servers import POSTGRES_DSN, REDIS_URL, require
+from tests.support.servers import POSTGRES_DSN, REDIS_URL
+from tests.support.stores import BACKENDS, SHARED, store_url
 
 pytestmark = pytest.mark.slow
 
@@ -68,23 +69,6 @@ class StormSizes:
 SIZES = StormSizes()
 ALLOWED = {"first", "replay", "409:request-in-progress"}
 
-BACKENDS = [
-    pytest.param("memory", marks=pytest.mark.memory),
-    pytest.param("redis", marks=pytest.mark.redis),
-    pytest.param("postgres", marks=pytest.mark.postgres),
-]
-SHARED_BACKENDS = BACKENDS[1:]
-
-
-def store_url(kind: str) -> str:
-    if kind == "memory":
-        return "memory://"
-    if kind == "redis":
-        require("redis", REDIS_URL)
-        return REDIS_URL
-    require("postgres", POSTGRES_DSN)
-    return POSTGRES_DSN
-
 
 def make_ledger(kind: str, run: str) -> Ledger:
     if kind == "memory":
@@ -92,7 +76,6 @@ def make_ledger(kind: str, run: str) -> Ledger:
     if kind == "redis":
         return RedisLedger(REDIS_URL, run)
     return PostgresLedger(POSTGRES_DSN, run)
-
 
 
 @contextlib.asynccontextmanager
@@ -227,7 +210,7 @@ async def drive_http(port: int, order: list[str], connections: int, *, timeout: 
     return answers
 
 
-@pytest.mark.parametrize("kind", SHARED_BACKENDS)
+@pytest.mark.parametrize("kind", SHARED)
 async def test_uvicorn_workers_storm(kind: str, tmp_path: Path) -> None:
     keys_n, dups, workers = SIZES.worker_keys, SIZES.worker_dup_per_key, SIZES.workers
     rng = random.Random(SEED)
@@ -250,7 +233,7 @@ async def test_uvicorn_workers_storm(kind: str, tmp_path: Path) -> None:
         # Key-major: a key's duplicates sit next to each other, so the connections have several keys'
         # duplicates in flight together, on whichever workers accepted those connections.
         order = [k for k in keys for _ in range(dups)]
-        server = UvicornServer(env, tmp_path / "uvicorn.log", workers=workers)
+        server = launch(env, tmp_path / "uvicorn.log", workers=workers)
         try:
             ready = await server.wait_ready(timeout=40)
             card = Scorecard(

@@ -1,7 +1,8 @@
 """The lean pipelined RESP connection (idem_asgi.backends._resp) against real Redis servers.
 
 Ordering uses the shared Redis (unique key prefix); anything that flushes scripts, stops, kills
-or configures a server runs on a throwaway `redis-server` (see tests/test_backend_redis.py).
+or configures a server runs on a throwaway `redis-server` (the `throwaway` fixture, or
+`tests.support.servers.redis_process`).
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ from redis import exceptions as redis_errors
 
 from idem_asgi.backends._resp import RespPool, _pack
 from idem_asgi.backends.redis import RedisBackend
-from idem_asgi.records import Claimed, Existing
-from tests.servers import REDIS_URL, require
-from tests.test_backend_redis import RedisProcess, redis_process, rk, throwaway  # noqa: F401 - fixture
+from idem_asgi.records import Claimed, Existing, RecordKey
+from tests.support.servers import REDIS_URL, RedisProcess, redis_process, require
 
 pytestmark = pytest.mark.redis
 
 ECHO = "return {KEYS[1], ARGV[1]}"
+
+
+def rk(key: str = "key-1") -> RecordKey:
+    return RecordKey.build("redis-tests", None, key)
 
 
 def lean(url: str, timeout: float = 2.0, **options: object) -> RespPool:
@@ -70,7 +74,7 @@ async def test_one_connection_pipelines_replies_in_order() -> None:
         await conn.aclose()
 
 
-async def test_a_full_pool_waits_then_times_out(throwaway: RedisProcess) -> None:  # noqa: F811
+async def test_a_full_pool_waits_then_times_out(throwaway: RedisProcess) -> None:
     conn = RespPool.from_url(throwaway.url, timeout=0.3, max_connections=1)
     assert conn is not None
     try:
@@ -100,7 +104,7 @@ def test_from_url_refuses_what_it_does_not_support() -> None:
     assert lean("redis://localhost").db == 0
 
 
-async def test_noscript_falls_back_and_the_script_is_cached_again(throwaway: RedisProcess) -> None:  # noqa: F811
+async def test_noscript_falls_back_and_the_script_is_cached_again(throwaway: RedisProcess) -> None:
     conn = lean(throwaway.url)
     admin = aioredis.Redis(port=throwaway.port)
     try:
@@ -114,7 +118,7 @@ async def test_noscript_falls_back_and_the_script_is_cached_again(throwaway: Red
         await conn.aclose()
 
 
-async def test_stalled_server_times_out_aborts_and_reconnects(throwaway: RedisProcess) -> None:  # noqa: F811
+async def test_stalled_server_times_out_aborts_and_reconnects(throwaway: RedisProcess) -> None:
     conn = lean(throwaway.url, timeout=0.3)
     admin = aioredis.Redis(port=throwaway.port)
     try:
@@ -137,7 +141,7 @@ async def test_stalled_server_times_out_aborts_and_reconnects(throwaway: RedisPr
         await conn.aclose()
 
 
-async def test_killed_server_fails_pending_calls_then_reconnects(throwaway: RedisProcess) -> None:  # noqa: F811
+async def test_killed_server_fails_pending_calls_then_reconnects(throwaway: RedisProcess) -> None:
     conn = lean(throwaway.url, timeout=1.0)
     try:
         assert await conn.execute("PING") == b"PONG"
@@ -154,7 +158,7 @@ async def test_killed_server_fails_pending_calls_then_reconnects(throwaway: Redi
         await conn.aclose()
 
 
-async def test_backend_survives_a_restart_with_one_retry(throwaway: RedisProcess) -> None:  # noqa: F811
+async def test_backend_survives_a_restart_with_one_retry(throwaway: RedisProcess) -> None:
     async with RedisBackend.from_url(throwaway.url, timeout=1.0) as backend:
         assert backend._lean is not None
         assert isinstance(await backend.claim(rk("a"), b"fp", lease=30, ttl=60), Claimed)
@@ -169,7 +173,7 @@ async def test_auth_and_select_from_the_url(tmp_path: Path) -> None:
         admin = aioredis.Redis(port=server.port, password="s3cret")
         try:
             async with aioredis.Redis(port=server.port) as setup:
-                await setup.execute_command("ACL", "SETUSER", "app", "on", ">apppw", "~*", "+@all")
+                await setup.execute_command("ACL", "SETUSER", "app", "on", ">apppw", "~*", "+@all")  # type: ignore[no-untyped-call]  # untyped in redis-py
                 await setup.config_set("requirepass", "s3cret")
             for url in (f"redis://:s3cret@127.0.0.1:{server.port}/4", f"redis://app:apppw@127.0.0.1:{server.port}/4"):
                 conn = lean(url)
@@ -177,8 +181,8 @@ async def test_auth_and_select_from_the_url(tmp_path: Path) -> None:
                     assert await conn.execute("SET", "where", url) == b"OK"
                 finally:
                     await conn.aclose()
-                assert await admin.execute_command("SELECT", 4) and await admin.get("where") == url.encode()
-                await admin.execute_command("SELECT", 0)
+                assert await admin.execute_command("SELECT", 4) and await admin.get("where") == url.encode()  # type: ignore[no-untyped-call]  # untyped in redis-py
+                await admin.execute_command("SELECT", 0)  # type: ignore[no-untyped-call]  # untyped in redis-py
             bad = lean(f"redis://:wrong@127.0.0.1:{server.port}/0")
             try:
                 with pytest.raises(redis_errors.AuthenticationError):
@@ -206,7 +210,7 @@ async def test_unix_socket(tmp_path: Path) -> None:
             await conn.aclose()
 
 
-async def test_aclose_fails_pending_calls_and_refuses_new_ones(throwaway: RedisProcess) -> None:  # noqa: F811
+async def test_aclose_fails_pending_calls_and_refuses_new_ones(throwaway: RedisProcess) -> None:
     conn = lean(throwaway.url)
     slow = asyncio.ensure_future(conn.execute("DEBUG", "SLEEP", "0.3"))
     await asyncio.sleep(0.05)

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from idem_asgi import ConfigurationError, IdempotencyMiddleware, RoutePolicy, event_id
+from idem_asgi import ConfigurationError, IdempotencyMiddleware, RoutePolicy, event_id, problems
 from idem_asgi._types import Message, Receive, Scope, Send
 from idem_asgi.backends import MemoryBackend
 from idem_asgi.records import RecordKey
@@ -27,21 +27,16 @@ from idem_asgi.signatures import (
     SignatureMiddleware,
     StripeScheme,
 )
-from tests.asgi import Result, drive, http_scope, read_body
+from tests.support.asgi import Result, drive, http_scope, read_body
+from tests.support.problems import assert_problem
+from tests.support.signing import SECRET, sign_stripe
 
 pytestmark = pytest.mark.memory
 
-SECRET = "whsec_current"
 OLD_SECRET = "whsec_previous"
 PATH = "/webhooks/stripe"
 # Not what any JSON encoder would write back: odd spacing, key order, escapes, a trailing newline.
 BODY = b'{"id": "evt_1",  "type":"charge.succeeded", "amount" : 4200, "note":"caf\\u00e9 \xc3\xa9"}\n'
-
-
-def sign_stripe(body: bytes, secret: str = SECRET, t: int | None = None) -> str:
-    t = int(time.time()) if t is None else t
-    mac = hmac.new(secret.encode(), f"{t}.".encode() + body, hashlib.sha256).hexdigest()
-    return f"t={t},v1={mac}"
 
 
 def raw_mac(body: bytes, secret: str = SECRET) -> bytes:
@@ -76,16 +71,6 @@ def stripe_mw(app: Any, **kwargs: Any) -> SignatureMiddleware:
 
 def signed(header: str, path: str = PATH, name: str = "Stripe-Signature", method: str = "POST") -> dict[str, Any]:
     return http_scope(method, path, headers=[(name, header)])
-
-
-def assert_problem(result: Result, problem_type: str, status: int) -> dict[str, Any]:
-    assert result.status == status
-    assert result.header("content-type") == b"application/problem+json"
-    assert result.header("cache-control") == b"no-store"
-    doc: dict[str, Any] = json.loads(result.body)
-    assert doc["type"] == problem_type
-    assert doc["status"] == status
-    return doc
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,14 +109,14 @@ async def test_a_bad_signature_is_refused_with_401() -> None:
     app = Recorder()
     header = f"t={int(time.time())},v1={'ab' * 32}"
     result = await drive(stripe_mw(app), signed(header), [BODY])
-    assert_problem(result, SIGNATURE_INVALID.type, 401)
+    assert_problem(result, SIGNATURE_INVALID)
     assert app.calls == 0
 
 
 async def test_a_signature_made_with_another_secret_is_refused_with_401() -> None:
     app = Recorder()
     result = await drive(stripe_mw(app), signed(sign_stripe(BODY, secret="whsec_attacker")), [BODY])
-    assert_problem(result, SIGNATURE_INVALID.type, 401)
+    assert_problem(result, SIGNATURE_INVALID)
     assert app.calls == 0
 
 
@@ -139,7 +124,7 @@ async def test_a_tampered_body_is_refused_with_401() -> None:
     app = Recorder()
     tampered = BODY.replace(b"4200", b"9900")
     result = await drive(stripe_mw(app), signed(sign_stripe(BODY)), [tampered])
-    assert_problem(result, SIGNATURE_INVALID.type, 401)
+    assert_problem(result, SIGNATURE_INVALID)
     assert app.calls == 0
 
 
@@ -147,7 +132,7 @@ async def test_a_signature_over_the_body_alone_is_refused_because_the_timestamp_
     app = Recorder()
     header = f"t={int(time.time())},v1={raw_mac(BODY).hex()}"
     result = await drive(stripe_mw(app), signed(header), [BODY])
-    assert_problem(result, SIGNATURE_INVALID.type, 401)
+    assert_problem(result, SIGNATURE_INVALID)
     assert app.calls == 0
 
 
@@ -156,7 +141,7 @@ async def test_a_timestamp_outside_the_tolerance_is_refused_with_401(offset: int
     app = Recorder()
     header = sign_stripe(BODY, t=int(time.time()) + offset)
     result = await drive(stripe_mw(app), signed(header), [BODY])
-    doc = assert_problem(result, SIGNATURE_INVALID.type, 401)
+    doc = assert_problem(result, SIGNATURE_INVALID)
     assert word in doc["detail"] and "300 s tolerance" in doc["detail"]
     assert app.calls == 0
 
@@ -189,7 +174,7 @@ async def test_one_matching_v1_among_several_is_enough() -> None:
 async def test_a_missing_signature_header_is_refused_with_400() -> None:
     app = Recorder()
     result = await drive(stripe_mw(app), http_scope("POST", PATH), [BODY])
-    doc = assert_problem(result, SIGNATURE_MALFORMED.type, 400)
+    doc = assert_problem(result, SIGNATURE_MALFORMED)
     assert "missing" in doc["detail"]
     assert app.calls == 0
 
@@ -212,7 +197,7 @@ async def test_a_missing_signature_header_is_refused_with_400() -> None:
 async def test_an_unparseable_stripe_header_is_refused_with_400(header: str) -> None:
     app = Recorder()
     result = await drive(stripe_mw(app), signed(header), [BODY])
-    assert_problem(result, SIGNATURE_MALFORMED.type, 400)
+    assert_problem(result, SIGNATURE_MALFORMED)
     assert app.calls == 0
 
 
@@ -221,7 +206,7 @@ async def test_two_signature_header_lines_are_refused_with_400() -> None:
     good = sign_stripe(BODY)
     scope = http_scope("POST", PATH, headers=[("Stripe-Signature", good), ("Stripe-Signature", good)])
     result = await drive(stripe_mw(app), scope, [BODY])
-    assert_problem(result, SIGNATURE_MALFORMED.type, 400)
+    assert_problem(result, SIGNATURE_MALFORMED)
     assert app.calls == 0
 
 
@@ -255,7 +240,7 @@ async def test_a_plain_signature_over_a_tampered_body_is_refused_with_401(scheme
     app = Recorder()
     mw = SignatureMiddleware(app, paths=[PATH], scheme=scheme, secrets=[SECRET])
     result = await drive(mw, signed(value, name="X-Signature"), [BODY + b" "])
-    assert_problem(result, SIGNATURE_INVALID.type, 401)
+    assert_problem(result, SIGNATURE_INVALID)
     assert app.calls == 0
 
 
@@ -276,7 +261,7 @@ async def test_an_unparseable_plain_signature_is_refused_with_400(scheme: HmacSc
     app = Recorder()
     mw = SignatureMiddleware(app, paths=[PATH], scheme=scheme, secrets=[SECRET])
     result = await drive(mw, signed(value, name="X-Signature"), [BODY])
-    assert_problem(result, SIGNATURE_MALFORMED.type, 400)
+    assert_problem(result, SIGNATURE_MALFORMED)
     assert app.calls == 0
 
 
@@ -284,7 +269,7 @@ async def test_a_missing_plain_signature_header_is_refused_with_400() -> None:
     app = Recorder()
     mw = SignatureMiddleware(app, paths=[PATH], scheme=HmacScheme(header="X-Hub-Signature-256"), secrets=[SECRET])
     result = await drive(mw, http_scope("POST", PATH), [BODY])
-    assert_problem(result, SIGNATURE_MALFORMED.type, 400)
+    assert_problem(result, SIGNATURE_MALFORMED)
     assert app.calls == 0
 
 
@@ -388,7 +373,7 @@ async def test_a_declared_content_length_over_the_limit_is_refused_with_413_befo
     app = Recorder()
     scope = http_scope("POST", PATH, headers=[("Stripe-Signature", sign_stripe(BODY)), ("Content-Length", "2000")])
     result = await drive(stripe_mw(app, max_body=1000), scope, [BODY])
-    assert_problem(result, "urn:idem-asgi:problem:body-too-large", 413)
+    assert_problem(result, problems.BODY_TOO_LARGE)
     assert app.calls == 0
 
 
@@ -396,7 +381,7 @@ async def test_a_chunked_body_crossing_the_limit_is_refused_with_413() -> None:
     app = Recorder()
     big = b"x" * 600
     result = await drive(stripe_mw(app, max_body=1000), signed(sign_stripe(big + big)), [big, big])
-    assert_problem(result, "urn:idem-asgi:problem:body-too-large", 413)
+    assert_problem(result, problems.BODY_TOO_LARGE)
     assert app.calls == 0
 
 

@@ -47,9 +47,18 @@ from typing import Any
 import pytest
 
 from idem_asgi.records import COMPLETED, RecordKey
-from tests.crash_app import UvicornServer, build, make_store, read_trace
-from tests.scorecard import Answer, Ledger, PostgresLedger, RedisLedger, Scorecard, asgi_post, cleanup_store, http_post
-from tests.servers import POSTGRES_DSN, REDIS_URL
+from tests.crash_app import build, launch, make_store, read_trace
+from tests.support.scorecard import (
+    Answer,
+    Ledger,
+    PostgresLedger,
+    RedisLedger,
+    Scorecard,
+    asgi_post,
+    cleanup_store,
+    http_post,
+)
+from tests.support.servers import POSTGRES_DSN, REDIS_URL, UvicornProcess
 
 pytestmark = pytest.mark.slow
 
@@ -61,10 +70,8 @@ COMPLETE_KEYS = 3  # A's handler answers 201: its `complete` is fenced out
 RELEASE_KEYS = 2  # A's handler answers 500: its `release` is fenced out
 
 
-
 def make_ledger(kind: str, run: str) -> Ledger:
     return RedisLedger(REDIS_URL, run) if kind == "redis" else PostgresLedger(POSTGRES_DSN, run)
-
 
 
 async def poll(condition: Callable[[], Awaitable[bool]], within: float, what: str) -> None:
@@ -118,7 +125,7 @@ async def test_stale_owner_is_fenced_out_and_the_stored_answer_is_the_takers(sha
         "IDEM_CRASH_TRACE": str(trace_a),
     }
     card = Scorecard("stale_owner_reclaim", kind, keys=len(keys))
-    server: UvicornServer | None = None
+    server: UvicornProcess | None = None
     store_b = make_store(url, namespace=namespace, table=TABLE, pool=8)
     app_b, backend_b = build(
         store_b, ledger_b, namespace=namespace, lease=LEASE, ttl=120, delay=B_DELAY, on_expired="reclaim",
@@ -130,7 +137,7 @@ async def test_stale_owner_is_fenced_out_and_the_stored_answer_is_the_takers(sha
         await ledger_a.setup()
         await ledger_b.setup()
         await backend_b.setup()  # the Postgres table exists before A starts
-        server = UvicornServer(env, tmp_path / "a.log")
+        server = launch(env, tmp_path / "a.log")
         (a_pid,) = await server.wait_ready(timeout=30)
         group = server.proc.pid
 

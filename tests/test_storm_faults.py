@@ -57,8 +57,8 @@ import redis.asyncio as aioredis
 
 from idem_asgi.backends.redis import RedisBackend
 from tests.crash_app import build
-from tests.scorecard import Answer, MemoryLedger, Scorecard, asgi_post, assert_zero_tolerance
-from tests.test_backend_redis import RedisProcess, redis_process, wait_until
+from tests.support.scorecard import Answer, MemoryLedger, Scorecard, asgi_post, assert_zero_tolerance
+from tests.support.servers import RedisProcess, redis_process, wait_until
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 

@@ -19,8 +19,8 @@ from idem_asgi import IdempotencyMiddleware, RoutePolicy, problems
 from idem_asgi._types import ASGIApp, Message, Receive, Scope, Send
 from idem_asgi.backends import Backend
 from idem_asgi.records import COMPLETED, IN_PROGRESS, RecordKey
-from tests.asgi import Result, drive, http_scope, read_body
-from tests.support import assert_problem
+from tests.support.asgi import Result, drive, http_scope, read_body
+from tests.support.problems import assert_problem
 
 KEY = "stream-1"
 BODY = b'{"report":"q3"}'

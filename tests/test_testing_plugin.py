@@ -73,8 +73,13 @@ class CheckThenSet:
         if key in self.seen:
             status, headers, body = self.seen[key]
             body = body + b" " if self.tamper else body
-            await send({"type": "http.response.start", "status": status,
-                        "headers": [*headers, (b"idempotent-replayed", b"true")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": status,
+                    "headers": [*headers, (b"idempotent-replayed", b"true")],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
             return
         start: Message = {}
@@ -125,8 +130,9 @@ async def test_probe_forms(kind: str) -> None:
 async def test_check_then_set_app_fails_naming_key_and_count() -> None:
     charges: Counter[str] = Counter()
     app = payments_app(charges, middleware=CheckThenSet)
-    report = await storm(app, json={"amount": 1}, key="broken-1", concurrency=2, repeats=1, faults=(),
-                         probe=lambda: charges.total())
+    report = await storm(
+        app, json={"amount": 1}, key="broken-1", concurrency=2, repeats=1, faults=(), probe=lambda: charges.total()
+    )
     assert charges["broken-1"] == 2
     with pytest.raises(AssertionError, match=r"key broken-1: handler ran 2 times \(expected 1\); answers: 201 x2"):
         report.assert_ok()
@@ -134,8 +140,9 @@ async def test_check_then_set_app_fails_naming_key_and_count() -> None:
 
 async def test_check_then_set_app_fails_every_scenario_it_cannot_survive() -> None:
     charges: Counter[str] = Counter()
-    report = await storm(payments_app(charges, middleware=CheckThenSet), json={"amount": 1}, key="broken-2",
-                         probe=charges)
+    report = await storm(
+        payments_app(charges, middleware=CheckThenSet), json={"amount": 1}, key="broken-2", probe=charges
+    )
     assert not report.ok
     message = str(report)
     # The handler counted before it read (and failed on) the half-arrived body.
@@ -151,8 +158,7 @@ async def test_check_then_set_app_fails_every_scenario_it_cannot_survive() -> No
 async def test_replay_that_differs_and_ignored_body_are_reported() -> None:
     charges: Counter[str] = Counter()
     app = payments_app(charges, middleware=CheckThenSet, atomic=True, tamper=True)
-    report = await storm(app, json={"amount": 1}, key="tampered", concurrency=5, repeats=1, faults=(),
-                         probe=charges)
+    report = await storm(app, json={"amount": 1}, key="tampered", concurrency=5, repeats=1, faults=(), probe=charges)
     assert report["tampered"].executions == 1
     with pytest.raises(AssertionError) as failed:
         report.assert_ok()
@@ -294,14 +300,28 @@ async def test_store_failure_injected_through_backend_when_middleware_is_hidden(
     mw = IdempotencyMiddleware(inner, backend=store, routes=ROUTES)
     hidden = functools.partial(_forward, mw)  # the walk cannot see through a partial
     assert find_middleware(hidden) == []
-    report = await storm(hidden, json={"amount": 1}, concurrency=5, repeats=2,
-                         faults=("store_fails_after_claim",), backend=store, probe=charges)
+    report = await storm(
+        hidden,
+        json={"amount": 1},
+        concurrency=5,
+        repeats=2,
+        faults=("store_fails_after_claim",),
+        backend=store,
+        probe=charges,
+    )
     report.assert_ok()
     assert [a.label for a in report["store_fails_after_claim"].answers] == ["201", *["409 request-in-progress"] * 2]
     assert "complete" not in vars(store)  # restored
     # Pointing at the middleware explicitly works too.
-    again = await storm(hidden, json={"amount": 2}, concurrency=5, repeats=2, faults=("store_fails_after_claim",),
-                        middleware=mw, probe=charges)
+    again = await storm(
+        hidden,
+        json={"amount": 2},
+        concurrency=5,
+        repeats=2,
+        faults=("store_fails_after_claim",),
+        middleware=mw,
+        probe=charges,
+    )
     again.assert_ok()
     assert mw.backend is store
 
@@ -321,8 +341,9 @@ async def test_a_hung_handler_is_reported_and_leaves_no_task_behind() -> None:
         await asyncio.sleep(3600)
 
     app = IdempotencyMiddleware(hangs, backend=MemoryBackend(), routes=ROUTES)
-    report = await storm(app, concurrency=3, repeats=1, faults=("response_lost",), request_timeout=0.2,
-                         probe=lambda: runs)
+    report = await storm(
+        app, concurrency=3, repeats=1, faults=("response_lost",), request_timeout=0.2, probe=lambda: runs
+    )
     with pytest.raises(AssertionError, match=r"1 request \(concurrent\) got no answer within 0.2s: hung"):
         report.assert_ok()
     assert "1 request (lost) got no answer within 0.2s" in str(report)
@@ -354,8 +375,7 @@ async def test_disable_switch_lets_every_request_run(
     assert charges["same"] == 2
     assert "IDEM_ASGI_DISABLED is set" in caplog.text
     # The storm notices, and says why.
-    report = await storm(payments_app(charges), json={"amount": 1}, concurrency=3, repeats=1, faults=(),
-                         probe=charges)
+    report = await storm(payments_app(charges), json={"amount": 1}, concurrency=3, repeats=1, faults=(), probe=charges)
     with pytest.raises(AssertionError, match="IDEM_ASGI_DISABLED is set in this process"):
         report.assert_ok()
 
@@ -373,7 +393,7 @@ async def test_disabled_middleware_still_hands_the_key_to_the_handler(monkeypatc
     @app.post("/payments", status_code=201)
     async def pay(request: Request) -> dict[str, str]:
         info = current_idempotency()
-        seen.append((request.state.idempotency.key, info and info.key))
+        seen.append((request.state.idempotency.key, info.key if info else None))
         return {}
 
     await _post_twice(app)
@@ -392,7 +412,7 @@ async def test_switch_is_read_when_the_middleware_is_built(monkeypatch: pytest.M
     assert charges["same"] == 2  # "0" does not disable
 
 
-USER_TEST = '''
+USER_TEST = """
 from collections import Counter
 
 import httpx
@@ -431,7 +451,7 @@ async def test_unrelated_test_without_idempotency(idem_disabled):
         for _ in range(2):
             await client.post("/payments", json={"amount": 1}, headers={"Idempotency-Key": "same"})
     assert charges["same"] == 2
-'''
+"""
 
 
 def _plugin_args() -> tuple[str, ...]:

@@ -56,6 +56,11 @@ def answer(key: str) -> JSONResponse:
     return JSONResponse({"key": key, "pid": os.getpid(), "id": uuid.uuid4().hex}, status_code=201)
 
 
+@api.get("/health")
+async def health() -> dict[str, int]:
+    return {"pid": os.getpid()}
+
+
 @api.post("/pay")
 async def pay(request: Request) -> JSONResponse:
     body = await request.json()

@@ -12,14 +12,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator
-from contextvars import ContextVar
 from typing import Any, ClassVar, Final, Literal
 
 import anyio
 import msgspec
 
-from ..context import ClaimHandle, current_idempotency
 from ..errors import (
     BackendError,
     BackendMisconfigured,
@@ -31,6 +28,7 @@ from ..records import COMPLETED, IN_PROGRESS, Claimed, ClaimResult, Existing, Re
 from ..records import StaleRecord as StaleRecord  # re-exported: it was defined here before records.py
 from ._base import ClosingMixin, new_token
 from ._orphans import OrphanSweeper
+from ._postgres_effects import effect_transaction, live_claim
 from ._postgres_pool import _UNAVAILABLE, Runner, keep_session, wrapped
 from ._postgres_sql import DDL, Statements, index_name
 
@@ -43,21 +41,6 @@ logger = logging.getLogger("idem_asgi")
 _IDENT: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 _headers_encode = msgspec.msgpack.Encoder().encode
 _headers_decode = msgspec.msgpack.Decoder(list[tuple[bytes, bytes]]).decode
-
-
-_open_connection: ContextVar[Any] = ContextVar("idem_asgi_postgres_transaction", default=None)
-"""The connection of the `transaction()` block open in this task, for blocks nested in it."""
-
-
-def _holds(backend: Any, target: PostgresBackend) -> bool:
-    """Whether `backend` is `target`, or a wrapper around it (`.wrapped`, as the testing plugin makes)."""
-    for _ in range(8):
-        if backend is target:
-            return True
-        backend = getattr(backend, "wrapped", None)
-        if backend is None:
-            return False
-    return False
 
 
 class PostgresBackend(ClosingMixin):
@@ -325,7 +308,7 @@ class PostgresBackend(ClosingMixin):
         the token: raises `ClaimLost` when the claim was taken over.
         """
         if key is None or token is None:
-            claim = self._live_claim()
+            claim = live_claim(self)
             if claim is None:
                 raise ClaimLost("checkpoint() outside a request holding a claim of this backend")
             key, token = claim.rkey, claim.token
@@ -377,8 +360,7 @@ class PostgresBackend(ClosingMixin):
         rows = await self._runner.run(pool, "fetch", self.sql.stale, float(older_than), limit, namespace)
         return [StaleRecord(RecordKey.build(row[14], row[15], row[16]), _record(row), row[1] == b"e") for row in rows]
 
-    @contextlib.asynccontextmanager
-    async def transaction(self, connection: Any = None) -> AsyncIterator[Any]:
+    def transaction(self, connection: Any = None) -> contextlib.AbstractAsyncContextManager[Any]:
         """A transaction whose commit also records that this request's effect happened.
 
         Use it in a handler behind `IdempotencyMiddleware` with this backend, for every write the
@@ -405,54 +387,7 @@ class PostgresBackend(ClosingMixin):
         another joins it: it is a savepoint on the same connection, and only the outer block's
         COMMIT marks the claim. Nested blocks must run in the task of the outer one.
         """
-        outer = _open_connection.get()
-        if connection is None and outer is not None:
-            async with outer.transaction():  # nested: a savepoint of the outer block, which marks
-                yield outer
-            return
-        claim = self._live_claim()
-        pool = None
-        if connection is None:
-            pool = await self._get_pool()
-            try:
-                connection = await pool.acquire(timeout=self.timeout)
-            except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
-                raise wrapped(exc, self.table) from exc
-        reset = _open_connection.set(connection)
-        try:
-            async with connection.transaction():
-                yield connection
-                if claim is not None:
-                    k = claim.rkey
-                    assert k is not None
-                    status = await connection.execute(
-                        self.sql.effect, k.namespace, k.scope, k.key, claim.token, timeout=self.timeout
-                    )
-                    if status != "UPDATE 1":
-                        raise ClaimLost(
-                            f"the claim on key {k.key!r} is no longer held by this request (taken over, expired "
-                            "or already completed); the transaction is rolled back"
-                        )
-            if claim is not None:
-                claim.mark_effect()  # committed: a failure from now on must not release the claim
-        finally:
-            _open_connection.reset(reset)
-            if pool is not None:
-                await pool.release(connection)
-
-    def _live_claim(self) -> ClaimHandle | None:
-        """The claim of the protected request running in this context, if it was made in this store
-        and its answer is not final yet (a background task after the answer, or a keyless request,
-        holds none: its transaction is a plain one)."""
-        info = current_idempotency()
-        claim = None if info is None else info.claim
-        if claim is None:
-            return None
-        if not _holds(claim.backend, self):
-            if isinstance(claim.backend, PostgresBackend):
-                raise ConfigurationError("this request was claimed through another PostgresBackend instance")
-            return None  # claimed in another kind of store: this database's transaction is a plain one
-        return claim
+        return effect_transaction(self, connection)
 
     async def recover_uncommitted(self, key: RecordKey, record: Record) -> Literal["run"] | None:
         """A `RoutePolicy(recover=...)` hook for handlers whose every effect goes through `transaction()`.

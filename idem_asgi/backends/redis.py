@@ -28,11 +28,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 from collections.abc import AsyncIterator
-from typing import Any, ClassVar, Final
+from typing import Any, ClassVar
 
-from ..errors import BackendError, BackendMisconfigured, BackendUnavailable, ConfigurationError, MissingExtra
+from ..errors import BackendUnavailable, ConfigurationError, MissingExtra
 from ..records import (
     COMPLETED,
     IN_PROGRESS,
@@ -49,6 +48,7 @@ from ..records import (
 from ._base import ClosingMixin, new_token
 from ._orphans import OrphanSweeper
 from ._redis_scripts import ABANDON, CLAIM, COMPLETE, EXTEND, FAIL, READ, RELEASE, TAKEOVER
+from ._redis_stale import scan_stale
 
 try:
     import redis.asyncio as aioredis
@@ -58,28 +58,14 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise MissingExtra("RedisBackend needs redis-py: pip install 'idem-asgi[redis]'") from exc
 
+from ._redis_errors import MISCONFIGURED, UNAVAILABLE, wrapped  # after the check above: it needs redis-py
+
 try:
     from ._resp import RespPool
 except ImportError:  # pragma: no cover - hiredis missing: redis-py serves every call
     RespPool = None  # type: ignore[assignment,misc]
 
 logger = logging.getLogger("idem_asgi")
-
-_STALE_FIELDS: Final = ("s", "f", "t", "l", "e", "n", "o", "k", "x")
-_DIGEST: Final = re.compile(rb"[0-9a-f]{64}")
-
-
-# Errors that mean "Redis did not answer (in time)": the command may or may not have run.
-_UNAVAILABLE: Final = (
-    redis_errors.ConnectionError,  # includes pool exhaustion (MaxConnectionsError) and LOADING
-    redis_errors.TimeoutError,
-    redis_errors.ClusterDownError,
-    redis_errors.TryAgainError,
-    redis_errors.SlotNotCoveredError,
-    redis_errors.ReadOnlyError,  # a replica answered: failover in progress
-    TimeoutError,
-    OSError,
-)
 
 
 def _ms(seconds: float) -> int:
@@ -94,14 +80,6 @@ def _utf8(text: str) -> bytes:
     return text.encode("utf-8", "surrogateescape")
 
 
-def _text(raw: bytes | None) -> str:
-    return "?" if raw is None else raw.decode("utf-8", "surrogateescape")
-
-
-def _glob_escape(text: str) -> str:
-    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
-
-
 def _record(reply: list[Any]) -> Record:
     _, _, state, fingerprint, token, lease_until, expires_at, blob, ttl = reply
     return Record(
@@ -114,37 +92,6 @@ def _record(reply: list[Any]) -> Record:
         holder_failed=state == b"u",
         ttl=None if ttl is None else int(ttl) / 1000,
     )
-
-
-# The store answers, but refuses us for good: retrying cannot help (500, and a failed start-up).
-_MISCONFIGURED: Final = (
-    redis_errors.AuthenticationError,
-    redis_errors.AuthorizationError,
-    redis_errors.AuthenticationWrongNumberOfArgsError,
-    redis_errors.NoPermissionError,
-)
-_MISCONFIGURED_TEXT: Final = ("DB index is out of range", "unknown command", "NOSCRIPT No matching script")
-
-
-def _wrapped(exc: Exception) -> BackendError:
-    """The library error for a redis-py error: misconfigured, unavailable, or another store error."""
-    what = f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, _MISCONFIGURED):
-        fix = (
-            "give the Redis user the scripting and hash commands on the backend's keys "
-            "(ACL SETUSER <user> on ~idem:* +@scripting +@hash +@keyspace +time)"
-            if isinstance(exc, redis_errors.NoPermissionError)
-            else "check the username and password in the Redis URL"
-        )
-        return BackendMisconfigured(f"redis refuses the connection or command ({what}); fix: {fix}")
-    if isinstance(exc, redis_errors.ResponseError) and any(t in str(exc) for t in _MISCONFIGURED_TEXT):
-        return BackendMisconfigured(
-            f"redis refuses the command ({what}); check the database number and that "
-            "EVALSHA and SCRIPT LOAD are enabled"
-        )
-    if isinstance(exc, _UNAVAILABLE):
-        return BackendUnavailable(f"redis unavailable: {what}")
-    return BackendError(f"redis error: {what}")
 
 
 class RedisBackend(ClosingMixin):
@@ -278,7 +225,7 @@ class RedisBackend(ClosingMixin):
                 try:
                     return await script(keys=[name], args=args)
                 except redis_errors.ConnectionError as exc:
-                    if isinstance(exc, _MISCONFIGURED):
+                    if isinstance(exc, MISCONFIGURED):
                         raise
                     # Once, at once, on a fresh connection (as redis-py's Retry does): a restarted
                     # server drops the connection. Every script is idempotent for its caller's token.
@@ -287,8 +234,8 @@ class RedisBackend(ClosingMixin):
                 return await script(keys=[name], args=args)
             async with self._slot():
                 return await script(keys=[name], args=args)
-        except (*_UNAVAILABLE, redis_errors.RedisError) as exc:
-            raise _wrapped(exc) from exc
+        except (*UNAVAILABLE, redis_errors.RedisError) as exc:
+            raise wrapped(exc) from exc
 
     @contextlib.asynccontextmanager
     async def _slot(self) -> AsyncIterator[None]:
@@ -368,8 +315,8 @@ class RedisBackend(ClosingMixin):
                 await self._start()
             async with self._slot():
                 yield
-        except (*_UNAVAILABLE, redis_errors.RedisError) as exc:
-            raise _wrapped(exc) from exc
+        except (*UNAVAILABLE, redis_errors.RedisError) as exc:
+            raise wrapped(exc) from exc
 
     async def stale(
         self, older_than: float = 0.0, limit: int = 1000, *, namespace: str | None = None, scan_count: int = 500
@@ -388,68 +335,7 @@ class RedisBackend(ClosingMixin):
             return []
         if scan_count < 1:
             raise ValueError("scan_count must be at least 1")
-        pattern = _glob_escape(self.prefix) + "{*}"
-        skip = len(_utf8(self.prefix)) + 1
-        found: list[StaleRecord] = []
-        async with self._tool_call():
-            nodes: list[Any] = list(self.client.get_primaries()) if self._cluster else [None]
-            for node in nodes:
-                cursor: Any = 0
-                while len(found) < limit:
-                    if node is None:
-                        cursor, names = await self.client.scan(cursor, match=pattern, count=scan_count, _type="hash")
-                    else:
-                        cursor, names = await self.client.scan(
-                            cursor, match=pattern, count=scan_count, _type="hash", target_nodes=node
-                        )
-                        if isinstance(cursor, dict):
-                            cursor = cursor[node.name]
-                    names = [n for n in names if _DIGEST.fullmatch(n, skip, len(n) - 1)]
-                    if names:
-                        found += await self._stale_batch(node, names, skip, older_than, namespace)
-                    if int(cursor) == 0:
-                        break
-        found.sort(key=lambda s: s.record.lease_until)
-        return found[:limit]
-
-    async def _stale_batch(
-        self, node: Any, names: list[bytes], skip: int, older_than: float, namespace: str | None
-    ) -> list[StaleRecord]:
-        pipe = self.client.pipeline(transaction=False) if node is None else self.client.pipeline()
-        async with pipe:
-            if node is None:
-                pipe.time()
-            else:
-                pipe.execute_command("TIME", target_nodes=node)
-            for name in names:
-                pipe.hmget(name, *_STALE_FIELDS)
-            replies = await pipe.execute()
-        seconds, micros = replies[0]
-        now_ms = int(seconds) * 1000 + int(micros) // 1000
-        cutoff_ms = now_ms - older_than * 1000
-        found = []
-        for name, (state, fingerprint, token, lease_until, expires_at, ns, scope, key, ttl) in zip(
-            names, replies[1:], strict=True
-        ):
-            if state not in (b"p", b"u") or token is None or lease_until is None or expires_at is None:
-                continue
-            if int(lease_until) > cutoff_ms or int(expires_at) <= now_ms:
-                continue
-            if namespace is not None and (ns is None or _text(ns) != namespace):
-                continue
-            digest = name[skip:-1].decode("ascii")
-            rkey = RecordKey(_text(ns), _text(scope), _text(key), digest)
-            record = Record(
-                IN_PROGRESS,
-                fingerprint,
-                int(token),
-                int(lease_until) / 1000,
-                int(expires_at) / 1000,
-                holder_failed=state == b"u",
-                ttl=None if ttl is None else int(ttl) / 1000,
-            )
-            found.append(StaleRecord(rkey, record))
-        return found
+        return await scan_stale(self, older_than, limit, namespace, scan_count)
 
     async def purge(self, batch_size: int = 1000) -> int:
         """Nothing to do: every record key carries its TTL (`PEXPIRE`), so Redis deletes it itself.

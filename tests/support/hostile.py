@@ -7,7 +7,9 @@
 - `Recorder`: a proxy over a backend that logs every call, proving a refusal cost no store call.
 - `contract_key`: the contract's key rule written out again, independently of `idem_asgi.keys`.
 - `Charge`: a raw ASGI app that counts executions and echoes what it received.
-- `call`: one request through raw ASGI with exact header lines and exact receive messages.
+- `status_of`: an answer's status, or None when the client left before any.
+
+Requests go through `tests.support.asgi` (`http_scope(raw_headers=...)`, `drive(messages=...)`).
 """
 
 from __future__ import annotations
@@ -15,30 +17,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import re
 import uuid
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import pytest
-
-from idem_asgi._types import Message, Receive, Scope, Send
+from idem_asgi._types import Receive, Scope, Send
 from idem_asgi.backends import Backend, MemoryBackend
-from idem_asgi.records import ClaimResult, Record, RecordKey, StoredResponse
-from tests.asgi import Result, read_body
-from tests.servers import POSTGRES_DSN, REDIS_URL, require
+from idem_asgi.records import RecordKey
+from tests.support.asgi import Result, read_body
+from tests.support.servers import POSTGRES_DSN, REDIS_URL, require
+from tests.support.stores import TEST_TABLE, Delegating, make_backend
 
 T = TypeVar("T")
-
-BACKENDS = [
-    pytest.param("memory", marks=pytest.mark.memory),
-    pytest.param("redis", marks=pytest.mark.redis),
-    pytest.param("postgres", marks=pytest.mark.postgres),
-]
-PG_TABLE = "idem_test_records"  # the table tests/conftest.py uses; rows are told apart by namespace
-PROBLEM_PREFIX = "urn:idem-asgi:problem:"
 
 
 # --- one store per backend, one event loop ---------------------------------------------------
@@ -99,7 +91,7 @@ class Store:
             assert isinstance(self.backend, MemoryBackend)
             return sum(1 for k in self.backend._keys.values() if k.namespace == namespace)
         if self.name == "postgres":
-            return int(await self.pg.fetchval(f"SELECT count(*) FROM {PG_TABLE} WHERE namespace = $1", namespace))
+            return int(await self.pg.fetchval(f"SELECT count(*) FROM {TEST_TABLE} WHERE namespace = $1", namespace))
         client = self.backend.client  # type: ignore[attr-defined]
         total = 0
         shape = re.compile(re.escape(self.prefix.encode()) + rb"\{[0-9a-f]{64}\}")
@@ -111,7 +103,7 @@ class Store:
 
     async def _purge(self) -> None:
         if self.name == "postgres" and self.namespaces:
-            await self.pg.execute(f"DELETE FROM {PG_TABLE} WHERE namespace = ANY($1::text[])", self.namespaces)
+            await self.pg.execute(f"DELETE FROM {TEST_TABLE} WHERE namespace = ANY($1::text[])", self.namespaces)
         elif self.name == "redis":
             client = self.backend.client  # type: ignore[attr-defined]
             keys = [k async for k in client.scan_iter(match=self.prefix + "*", count=1000)]
@@ -142,60 +134,29 @@ def open_store(name: str) -> Iterator[Store]:
 
 async def _make(name: str, runner: Loop) -> Store:
     if name == "memory":
-        return Store(name, runner, MemoryBackend())
+        return Store(name, runner, await make_backend("memory"))
     if name == "redis":
-        from idem_asgi.backends.redis import RedisBackend
-
         prefix = f"idem-hostile:{uuid.uuid4().hex}:"
-        return Store(name, runner, RedisBackend.from_url(REDIS_URL, prefix=prefix), prefix=prefix)
+        return Store(name, runner, await make_backend("redis", prefix=prefix), prefix=prefix)
     import asyncpg
 
-    from idem_asgi.backends.postgres import PostgresBackend
-
-    backend = PostgresBackend.from_dsn(POSTGRES_DSN, table=PG_TABLE, min_size=1, max_size=10)
-    await backend.setup()
+    backend = await make_backend("postgres", pool=10)
     return Store(name, runner, backend, pg=await asyncpg.connect(POSTGRES_DSN))
 
 
 # --- a backend proxy that logs every call ----------------------------------------------------
 
 
-class Recorder:
+class Recorder(Delegating):
     """Delegates to `inner` and logs each call's name: `calls == []` proves no store round trip."""
 
     def __init__(self, inner: Backend) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.calls: list[str] = []
 
-    async def claim(self, key: RecordKey, fingerprint: bytes, *, lease: float, ttl: float) -> ClaimResult:
-        self.calls.append("claim")
-        return await self.inner.claim(key, fingerprint, lease=lease, ttl=ttl)
-
-    async def takeover(
-        self, key: RecordKey, stale_token: int, fingerprint: bytes, *, lease: float, ttl: float
-    ) -> ClaimResult:
-        self.calls.append("takeover")
-        return await self.inner.takeover(key, stale_token, fingerprint, lease=lease, ttl=ttl)
-
-    async def complete(self, key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
-        self.calls.append("complete")
-        return await self.inner.complete(key, token, response, ttl=ttl)
-
-    async def release(self, key: RecordKey, token: int) -> bool:
-        self.calls.append("release")
-        return await self.inner.release(key, token)
-
-    async def mark_failed(self, key: RecordKey, token: int) -> bool:
-        self.calls.append("mark_failed")
-        return await self.inner.mark_failed(key, token)
-
-    async def extend(self, key: RecordKey, token: int, *, lease: float) -> bool:
-        self.calls.append("extend")
-        return await self.inner.extend(key, token, lease=lease)
-
-    async def get(self, key: RecordKey) -> Record | None:
-        self.calls.append("get")
-        return await self.inner.get(key)
+    def before(self, op: str, key: RecordKey) -> RecordKey:
+        self.calls.append(op)
+        return key
 
     async def aclose(self) -> None:
         """The inner backend belongs to the store, not to this proxy."""
@@ -272,55 +233,7 @@ class Charge:
         await send({"type": "http.response.body", "body": payload, "more_body": False})
 
 
-# --- one raw ASGI request --------------------------------------------------------------------
-
-
-def scope_of(
-    method: str = "POST",
-    path: str = "/payments",
-    headers: Sequence[tuple[bytes, bytes]] = (),
-    query: bytes = b"",
-) -> dict[str, Any]:
-    """An HTTP scope with exactly these header lines, in this order."""
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": method,
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode("utf-8", "surrogateescape"),
-        "query_string": query,
-        "root_path": "",
-        "headers": list(headers),
-        "client": ("127.0.0.1", 1234),
-        "server": ("127.0.0.1", 80),
-        "extensions": {},
-        "state": {},
-    }
-
-
-def messages_of(chunks: Sequence[bytes]) -> list[Message]:
-    """The body as `http.request` messages, `more_body` true on all but the last."""
-    chunks = list(chunks) or [b""]
-    return [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
-
-
-async def call(app: Any, scope: dict[str, Any], messages: Sequence[Message]) -> Result:
-    """Run `app` once; `receive` hands out `messages`, then `http.disconnect` (the client left)."""
-    result = Result()
-    script = list(messages)
-
-    async def receive() -> Message:
-        if script:
-            return script.pop(0)
-        return {"type": "http.disconnect"}
-
-    async def send(message: Message) -> None:
-        result.messages.append(dict(message))
-
-    await app(scope, receive, send)
-    return result
+# --- answers ---------------------------------------------------------------------------------
 
 
 def status_of(result: Result) -> int | None:
@@ -328,18 +241,3 @@ def status_of(result: Result) -> int | None:
     starts = [m for m in result.messages if m["type"] == "http.response.start"]
     assert len(starts) <= 1, result.messages
     return int(starts[0]["status"]) if starts else None
-
-
-def assert_problem(result: Result, status: int, slug: str) -> dict[str, Any]:
-    """An RFC 9457 problem answer of this status and stable type, never cached."""
-    assert result.status == status, (result.status, result.body)
-    assert result.header("content-type") == b"application/problem+json"
-    assert result.header("cache-control") == b"no-store"
-    doc = json.loads(result.body)
-    assert isinstance(doc, dict)
-    assert doc["type"] == PROBLEM_PREFIX + slug, doc
-    assert doc["status"] == status
-    assert isinstance(doc["title"], str) and doc["title"]
-    assert isinstance(doc.get("detail", ""), str)
-    assert "Traceback" not in result.body.decode("utf-8", "replace")
-    return doc

@@ -1,7 +1,8 @@
-"""A raw ASGI driver and tiny apps: scripted `receive`, every `send` message recorded.
+"""The one raw ASGI driver and scope builder, and tiny helpers: scripted `receive`, every `send` recorded.
 
 httpx's ASGITransport cannot deliver a mid-stream disconnect nor show message boundaries,
-so tests that care about those use `drive`.
+so tests that care about those use `drive`. `http_scope` builds the scope, with exact raw header
+lines when asked; `messages_of` turns body chunks into `http.request` messages for `drive(messages=...)`.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ class Result:
     def chunks(self) -> list[bytes]:
         return [m.get("body", b"") for m in self.messages if m["type"] == "http.response.body"]
 
+    @property
+    def started(self) -> Message | None:
+        """The `http.response.start` message, or None when the app sent none."""
+        return next((m for m in self.messages if m["type"] == "http.response.start"), None)
+
 
 def http_scope(
     method: str = "POST",
@@ -47,21 +53,26 @@ def http_scope(
     *,
     key: str | None = None,
     headers: Sequence[tuple[str, str]] = (),
+    raw_headers: Sequence[tuple[bytes, bytes]] = (),
     query: bytes = b"",
     extensions: dict[str, Any] | None = None,
+    state: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """An ASGI HTTP scope; `key` adds one Idempotency-Key header."""
-    raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+    """An ASGI HTTP scope. `raw_headers` are header lines exactly as given, in this order; then
+    `headers` (lower-cased names, latin-1); `key` adds one Idempotency-Key header last. With
+    `state`, the scope carries that `state` dict (as a server with lifespan state gives it)."""
+    raw = list(raw_headers)
+    raw += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers]
     if key is not None:
         raw.append((b"idempotency-key", key.encode("latin-1")))
-    return {
+    scope: dict[str, Any] = {
         "type": "http",
         "asgi": {"version": "3.0"},
         "http_version": "1.1",
         "method": method,
         "scheme": "http",
         "path": path,
-        "raw_path": path.encode(),
+        "raw_path": path.encode("utf-8", "surrogateescape"),
         "query_string": query,
         "root_path": "",
         "headers": raw,
@@ -69,6 +80,18 @@ def http_scope(
         "server": ("127.0.0.1", 80),
         "extensions": extensions or {},
     }
+    if state is not None:
+        scope["state"] = state
+    return scope
+
+
+def _requests(chunks: Sequence[bytes]) -> list[Message]:
+    return [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+
+
+def messages_of(chunks: Sequence[bytes]) -> list[Message]:
+    """The body as `http.request` messages, `more_body` true on all but the last (no chunk: one empty one)."""
+    return _requests(list(chunks) or [b""])
 
 
 async def drive(
@@ -76,24 +99,29 @@ async def drive(
     scope: dict[str, Any],
     body: Sequence[bytes] = (b"",),
     *,
+    messages: Sequence[Message] | None = None,
     disconnect_after_first_chunk: bool = False,
+    disconnect_when_done: bool = False,
     send_raises_after: int | None = None,
     on_send: Callable[[Message], None] | None = None,
     result: Result | None = None,
 ) -> Result:
     """Call `app` once. The body is delivered in the given chunks, then the channel waits;
     with `disconnect_after_first_chunk`, `http.disconnect` arrives once the app has sent one
-    body chunk; with `send_raises_after=n`, the n+1-th send raises OSError like a gone client.
-    `on_send` sees each message the client received, as it arrives; pass your own `result` to
-    watch the messages arrive while the app still runs."""
+    body chunk; with `disconnect_when_done`, once it sent its last body message (or returned);
+    with `send_raises_after=n`, the n+1-th send raises OSError like a gone client.
+    `messages` replaces `body`: `receive` hands out exactly these messages, then `http.disconnect`
+    at once (a client that left). `on_send` sees each message the client received, as it
+    arrives; pass your own `result` to watch the messages arrive while the app still runs."""
     result = Result() if result is None else result
-    chunks = list(body)
+    script = list(messages) if messages is not None else _requests(list(body))
     gone = asyncio.Event()
+    if messages is not None:
+        gone.set()
 
     async def receive() -> Message:
-        if chunks:
-            chunk = chunks.pop(0)
-            return {"type": "http.request", "body": chunk, "more_body": bool(chunks)}
+        if script:
+            return script.pop(0)
         await gone.wait()
         return {"type": "http.disconnect"}
 
@@ -104,10 +132,16 @@ async def drive(
         result.messages.append(dict(message))
         if on_send is not None:
             on_send(message)
-        if disconnect_after_first_chunk and message["type"] == "http.response.body":
+        if message["type"] == "http.response.body" and (
+            disconnect_after_first_chunk or (disconnect_when_done and not message.get("more_body", False))
+        ):
             gone.set()
 
-    await app(scope, receive, send)
+    try:
+        await app(scope, receive, send)
+    finally:
+        if disconnect_when_done:
+            gone.set()
     return result
 
 

@@ -668,7 +668,7 @@ def _resp_value(buf: bytearray, pos: int, depth: int = 0) -> tuple[Any, int] | N
     if line is None:
         return None
     head, after = line
-    kind = buf[pos : pos + 1]
+    kind = bytes(buf[pos : pos + 1])
     if kind in (b"+", b"-", b":", b"_", b",", b"#", b"("):
         return head, after
     if kind in (b"$", b"!", b"="):

@@ -38,6 +38,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tests.support.asgi import Result, drive, http_scope
+from tests.support.servers import POSTGRES_DSN, REDIS_URL
+
 ZERO_TOLERANCE = ("double_executions", "replay_mismatches", "unaccounted_keys")
 ACCEPTED = {"completed": (1,), "outcome_unknown": (0, 1), "not_run": (0,)}
 _IGNORED_HEADERS = frozenset({b"idempotent-replayed", b"date", b"server"})
@@ -349,7 +352,6 @@ async def cleanup_store(kind: str, namespace: str, table: str) -> None:
 
     Redis keys are `idem-rel:<namespace>:...` (the prefix `tests/crash_app.make_store` gives them).
     """
-    from tests.servers import POSTGRES_DSN, REDIS_URL
 
     if kind == "redis":
         import redis.asyncio as aioredis
@@ -385,63 +387,30 @@ def ledger_from_url(url: str, run: str, *, pool: int = 4) -> Ledger:
 async def asgi_post(
     app: Any, key: str, body: bytes = b'{"amount":1999,"currency":"EUR"}', *, path: str = "/pay", timeout: float = 30
 ) -> Answer:
-    """One POST through an ASGI app, like a server would drive it (the client never hangs up)."""
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.4"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [
-            (b"host", b"test"),
-            (b"idempotency-key", key.encode()),
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-        ],
-        "client": ("127.0.0.1", 40000),
-        "server": ("127.0.0.1", 80),
-        "state": {},
-    }
-    start: dict[str, Any] = {}
-    chunks: list[bytes] = []
-    delivered = False
-    done = asyncio.Event()
-
-    async def receive() -> dict[str, Any]:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await done.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.start":
-            start.update(message)
-        elif message["type"] == "http.response.body":
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                done.set()
-
+    """One POST through an ASGI app, like a server would drive it (the client never hangs up
+    before the answer's end)."""
+    headers = [
+        (b"host", b"test"),
+        (b"idempotency-key", key.encode()),
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    scope = http_scope("POST", path, raw_headers=headers, state={})
+    result = Result()
     began = time.monotonic()
     try:
-        await asyncio.wait_for(app(scope, receive, send), timeout)
+        await asyncio.wait_for(drive(app, scope, [body], disconnect_when_done=True, result=result), timeout)
     except TimeoutError:
         return Answer(key, 0, [], b"", time.monotonic() - began, error="timeout")
     except Exception as exc:  # an exception escaping the app is what a server turns into a 500
-        if not start:
+        if result.started is None:
             return Answer(key, 500, [], b"", time.monotonic() - began, error=repr(exc))
-    finally:
-        done.set()
     latency = time.monotonic() - began
-    if not start:
+    start = result.started
+    if start is None:
         return Answer(key, 0, [], b"", latency, error="no response started")
-    headers = [(bytes(k), bytes(v)) for k, v in start.get("headers", ())]
-    return Answer(key, int(start["status"]), headers, b"".join(chunks), latency)
+    sent = [(bytes(k), bytes(v)) for k, v in start.get("headers", ())]
+    return Answer(key, int(start["status"]), sent, result.body, latency)
 
 
 # -- driver 2: a lean HTTP/1.1 client over loopback ---------------------------------------------
@@ -483,7 +452,7 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[int, list[tuple[b
             return status, headers, await reader.readexactly(length)
         except asyncio.IncompleteReadError as exc:
             raise TruncatedBody(f"truncated: {status} + {len(exc.partial)} of {length} body bytes") from exc
-    parts = []
+    parts: list[bytes] = []
     for _ in range(100_000):
         size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
         if size == 0:
@@ -509,10 +478,11 @@ class HttpConnection:
                 self.reader, self.writer = await asyncio.wait_for(
                     asyncio.open_connection("127.0.0.1", self.port), self.timeout
                 )
-            assert self.reader is not None
-            self.writer.write(build_post(key, body))
-            await self.writer.drain()
-            status, headers, data = await asyncio.wait_for(read_response(self.reader), self.timeout)
+            reader, writer = self.reader, self.writer
+            assert reader is not None and writer is not None
+            writer.write(build_post(key, body))
+            await writer.drain()
+            status, headers, data = await asyncio.wait_for(read_response(reader), self.timeout)
         except TruncatedBody as exc:
             await self.close()
             return Answer(key, 0, [], b"", time.monotonic() - began, error=str(exc))

@@ -1,9 +1,9 @@
 """The soak: the retry storms again and again, one seed per run, within a time cap (on demand, not in CI).
 
     python3 dev.py soak                    # 20 random seeds, stops after 40 minutes at the latest
-    python -m tests.soak --minutes 10 --seeds 5
-    python -m tests.soak --seed 7 --seed 8 -- -k "memory or redis"   # pinned seeds, pytest args after --
-    python -m tests.soak --summarize .soak/<run>/scorecards.jsonl  # the summary of any scorecard file
+    python -m tools.soak --minutes 10 --seeds 5
+    python -m tools.soak --seed 7 --seed 8 -- -k "memory or redis"   # pinned seeds, pytest args after --
+    python -m tools.soak --summarize .soak/<run>/scorecards.jsonl  # the summary of any scorecard file
 
 Each seed runs `python -m pytest tests/test_reliability_storms.py` once with `IDEM_STORM_SEED=<seed>`
 (the seed sets the random order of the storms) and `IDEM_SCORECARD_FILE` pointing at one JSONL file
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.scorecard import ZERO_TOLERANCE
+from tests.support.scorecard import ZERO_TOLERANCE
 
 ROOT = Path(__file__).resolve().parent.parent
 STORMS = "tests/test_reliability_storms.py"
@@ -234,7 +234,7 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     if "--" in argv:
         at = argv.index("--")
         argv, extra = argv[:at], argv[at + 1 :]
-    parser = argparse.ArgumentParser(prog="python -m tests.soak", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=DEFAULT_SEEDS, help="how many random seeds (default 20)")
     parser.add_argument("--seed", type=int, action="append", default=[], help="run this seed (repeatable)")
     parser.add_argument(

@@ -1,0 +1,103 @@
+"""`PostgresBackend.transaction()`: business writes and the claim's "effect committed" mark in one COMMIT.
+
+Kept apart from the store's claim/complete calls because it is the one place the store reaches
+into the request running in this task (its live claim) and into the caller's own connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any
+
+from ..context import ClaimHandle, current_idempotency
+from ..errors import ClaimLost, ConfigurationError
+from ._postgres_pool import _UNAVAILABLE, wrapped
+
+if TYPE_CHECKING:
+    from .postgres import PostgresBackend
+
+_open_connection: ContextVar[Any] = ContextVar("idem_asgi_postgres_transaction", default=None)
+"""The connection of the `transaction()` block open in this task, for blocks nested in it."""
+
+
+def _holds(backend: Any, target: PostgresBackend) -> bool:
+    """Whether `backend` is `target`, or a wrapper around it (`.wrapped`, as the testing plugin makes)."""
+    for _ in range(8):
+        if backend is target:
+            return True
+        backend = getattr(backend, "wrapped", None)
+        if backend is None:
+            return False
+    return False
+
+
+def live_claim(store: PostgresBackend) -> ClaimHandle | None:
+    """The claim of the protected request running in this context, if it was made in `store` and
+    its answer is not final yet (a background task after the answer, or a keyless request, holds
+    none: its transaction is a plain one)."""
+    info = current_idempotency()
+    claim = None if info is None else info.claim
+    if claim is None:
+        return None
+    if not _holds(claim.backend, store):
+        from .postgres import PostgresBackend  # imported here: postgres.py imports this module
+
+        if isinstance(claim.backend, PostgresBackend):
+            raise ConfigurationError("this request was claimed through another PostgresBackend instance")
+        return None  # claimed in another kind of store: this database's transaction is a plain one
+    return claim
+
+
+@contextlib.asynccontextmanager
+async def effect_transaction(store: PostgresBackend, connection: Any = None) -> AsyncIterator[Any]:
+    """See `PostgresBackend.transaction`."""
+    outer = _open_connection.get()
+    if connection is None and outer is not None:
+        async with outer.transaction():  # nested: a savepoint of the outer block, which marks
+            yield outer
+        return
+    claim = live_claim(store)
+    async with _connection(store, connection) as conn:
+        reset = _open_connection.set(conn)
+        try:
+            async with conn.transaction():
+                yield conn
+                if claim is not None:
+                    await _mark_effect(store, conn, claim)
+            if claim is not None:
+                claim.mark_effect()  # committed: a failure from now on must not release the claim
+        finally:
+            _open_connection.reset(reset)
+
+
+@contextlib.asynccontextmanager
+async def _connection(store: PostgresBackend, connection: Any) -> AsyncIterator[Any]:
+    """`connection` as given, or one from the store's pool, handed back afterwards."""
+    if connection is not None:
+        yield connection
+        return
+    import asyncpg
+
+    pool = await store._get_pool()
+    try:
+        conn = await pool.acquire(timeout=store.timeout)
+    except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
+        raise wrapped(exc, store.table) from exc
+    try:
+        yield conn
+    finally:
+        await pool.release(conn)
+
+
+async def _mark_effect(store: PostgresBackend, conn: Any, claim: ClaimHandle) -> None:
+    """Mark the claim effect-committed inside the open transaction, fenced by its token."""
+    k = claim.rkey
+    assert k is not None
+    status = await conn.execute(store.sql.effect, k.namespace, k.scope, k.key, claim.token, timeout=store.timeout)
+    if status != "UPDATE 1":
+        raise ClaimLost(
+            f"the claim on key {k.key!r} is no longer held by this request (taken over, expired "
+            "or already completed); the transaction is rolled back"
+        )

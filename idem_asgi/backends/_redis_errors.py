@@ -1,0 +1,53 @@
+"""What a redis-py error means for a request: the store is misconfigured (500, and a failed
+start-up), unavailable (503: the command may or may not have run), or failed otherwise."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from redis import exceptions as redis_errors
+
+from ..errors import BackendError, BackendMisconfigured, BackendUnavailable
+
+# Errors that mean "Redis did not answer (in time)": the command may or may not have run.
+UNAVAILABLE: Final = (
+    redis_errors.ConnectionError,  # includes pool exhaustion (MaxConnectionsError) and LOADING
+    redis_errors.TimeoutError,
+    redis_errors.ClusterDownError,
+    redis_errors.TryAgainError,
+    redis_errors.SlotNotCoveredError,
+    redis_errors.ReadOnlyError,  # a replica answered: failover in progress
+    TimeoutError,
+    OSError,
+)
+
+
+# The store answers, but refuses us for good: retrying cannot help (500, and a failed start-up).
+MISCONFIGURED: Final = (
+    redis_errors.AuthenticationError,
+    redis_errors.AuthorizationError,
+    redis_errors.AuthenticationWrongNumberOfArgsError,
+    redis_errors.NoPermissionError,
+)
+_MISCONFIGURED_TEXT: Final = ("DB index is out of range", "unknown command", "NOSCRIPT No matching script")
+
+
+def wrapped(exc: Exception) -> BackendError:
+    """The library error for a redis-py error: misconfigured, unavailable, or another store error."""
+    what = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, MISCONFIGURED):
+        fix = (
+            "give the Redis user the scripting and hash commands on the backend's keys "
+            "(ACL SETUSER <user> on ~idem:* +@scripting +@hash +@keyspace +time)"
+            if isinstance(exc, redis_errors.NoPermissionError)
+            else "check the username and password in the Redis URL"
+        )
+        return BackendMisconfigured(f"redis refuses the connection or command ({what}); fix: {fix}")
+    if isinstance(exc, redis_errors.ResponseError) and any(t in str(exc) for t in _MISCONFIGURED_TEXT):
+        return BackendMisconfigured(
+            f"redis refuses the command ({what}); check the database number and that "
+            "EVALSHA and SCRIPT LOAD are enabled"
+        )
+    if isinstance(exc, UNAVAILABLE):
+        return BackendUnavailable(f"redis unavailable: {what}")
+    return BackendError(f"redis error: {what}")
