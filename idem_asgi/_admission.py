@@ -48,6 +48,11 @@ def header_key(route: Route, scope: Scope) -> str | None:
         if k == route.header:
             raw = v
             count += 1
+    return parsed_key(route, raw, count)
+
+
+def parsed_key(route: Route, raw: bytes | None, count: int) -> str | None:
+    """The key in the `count` header line(s) found for `route` (the last one: `raw`); `Refused` if malformed."""
     if count > 1:
         raise Refused(problems.KEY_MALFORMED, f"Send exactly one {route.header_name} header, not {count}.")
     if raw is None:

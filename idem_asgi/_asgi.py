@@ -24,16 +24,20 @@ def declared_too_large(scope: Scope, limit: int) -> bool:
     return False
 
 
-async def read_body(receive: Receive, limit: int, feed: Callable[[bytes], object] | None = None) -> bytes | None:
+async def read_body(
+    receive: Receive, limit: int, feed: Callable[[bytes], object] | None = None, *, first: Message | None = None
+) -> bytes | None:
     """The whole request body, read the ASGI way; None when the client left first.
 
     Raises `TooLarge` the moment the body crosses `limit`. `feed` sees each chunk as it arrives
     (an incremental hash), so the body is never walked twice. One chunk is returned as it came.
+    `first` is a message the caller already received.
     """
     chunks: list[bytes] = []
     size = 0
     while True:
-        message = await receive()
+        message = first if first is not None else await receive()
+        first = None
         if message["type"] != "http.request":
             return None  # http.disconnect
         chunk = message.get("body", b"")

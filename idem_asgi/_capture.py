@@ -1,9 +1,13 @@
-"""Per-request send wrapper: streams the answer to the client while recording it verbatim.
+"""Per-request send (and receive) wrapper: streams the answer to the client while recording it verbatim.
 
 Every message but the last goes to the client as soon as the app sends it. The last one (the
 final body chunk, or the final trailers message when the app announced trailers) is held just
 long enough to write the completion, so a client that has the whole answer and retries always
-finds it stored. The client hanging up never stops the recording.
+finds it stored. The client hanging up never stops the recording: its `http.disconnect` reaches
+the app only once the answer is complete (`receive`).
+
+Forwarding is written out inline on the hot path (a helper coroutine per message costs more than
+the rest of the message's handling).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from collections.abc import Awaitable, Callable, Container
 
 import anyio
 
-from ._types import Message, Send
+from ._types import Message, Receive, Send
 from .records import StoredResponse
 
 OnFinal = Callable[[StoredResponse], Awaitable[None]]
@@ -32,28 +36,44 @@ def _pairs(raw: object, excluded: Container[bytes]) -> Pairs:
     return pairs
 
 
+_IDLE, _STARTED, _BODY_DONE, _FINISHED = 0, 1, 2, 3  # where the answer is
+
+
 class Capture:
-    """The `send` the app sees on a protected request."""
+    """The `send` (and `receive`) the app sees on a protected request."""
 
     __slots__ = (
+        "_body",
         "_chunks",
         "_excluded",
+        "_gone",
         "_headers",
         "_limit",
         "_on_final",
+        "_receive",
         "_send",
         "_size",
+        "_state",
         "_trailers",
         "_waiter",
-        "body_done",
         "client_gone",
-        "finished",
-        "started",
         "status",
     )
 
-    def __init__(self, send: Send, on_final: OnFinal, *, excluded: Container[bytes], limit: int) -> None:
+    def __init__(
+        self,
+        send: Send,
+        receive: Receive,
+        body: bytes | None,
+        on_final: OnFinal,
+        *,
+        excluded: Container[bytes],
+        limit: int,
+    ) -> None:
         self._send = send
+        self._receive = receive
+        self._body = body  # handed to the app once, then None
+        self._gone = False
         self._on_final = on_final
         self._excluded = excluded
         self._limit = limit
@@ -61,16 +81,43 @@ class Capture:
         self._size = 0
         self._headers: Pairs = []
         self._trailers: Pairs | None = None  # a list once the app announced trailers
-        self.status = 0
-        self.started = False
-        self.body_done = False
-        self.finished = False
-        self.client_gone = False
+        self._state = _IDLE
         self._waiter: anyio.Event | None = None
+        self.status = 0
+        self.client_gone = False
+
+    @property
+    def started(self) -> bool:
+        """The app sent its `http.response.start`."""
+        return self._state != _IDLE
+
+    @property
+    def finished(self) -> bool:
+        """The app sent its last message (and the completion was attempted)."""
+        return self._state == _FINISHED
+
+    async def receive(self) -> Message:
+        """The buffered body once, then the real channel; a disconnect only once the answer is complete.
+
+        The contract says a client that hangs up does not stop the operation: apps that stop at a
+        disconnect (Starlette's `StreamingResponse` under ASGI < 2.4 cancels its stream) would
+        otherwise return with half an answer.
+        """
+        body = self._body
+        if body is not None:
+            self._body = None
+            return {"type": "http.request", "body": body, "more_body": False}
+        if not self._gone:
+            message = await self._receive()
+            if message["type"] != "http.disconnect":
+                return message
+            self._gone = True
+        await self.wait_finished()
+        return {"type": "http.disconnect"}
 
     async def wait_finished(self) -> None:
         """Return once the app has sent its last message, or `wake()` was called."""
-        if self.finished:
+        if self._state == _FINISHED:
             return
         if self._waiter is None:
             self._waiter = anyio.Event()
@@ -81,60 +128,60 @@ class Capture:
         if self._waiter is not None:
             self._waiter.set()
 
-    async def _forward(self, message: Message) -> None:
+    async def __call__(self, message: Message) -> None:
         # A send that raises OSError means the client hung up (uvicorn raises ClientDisconnected, an
         # OSError): the app goes on and its answer is still recorded, as the contract requires.
+        kind = message["type"]
+        state = self._state
+        if kind == "http.response.body":
+            if state == _STARTED:
+                body = message.get("body", b"")
+                chunks = self._chunks
+                if chunks is not None and body:
+                    self._size += len(body)
+                    if self._size > self._limit:
+                        self._chunks = None
+                    else:
+                        chunks.append(body)
+                if not message.get("more_body", False):
+                    if self._trailers is None:
+                        await self._finish(message)
+                        return
+                    self._state = _BODY_DONE
+        elif kind == "http.response.start":
+            if state == _IDLE:
+                self._state = _STARTED
+                self.status = message["status"]
+                self._headers = _pairs(message.get("headers", ()), self._excluded)
+                if message.get("trailers", False):
+                    self._trailers = []
+        elif kind == "http.response.trailers" and state == _BODY_DONE and self._trailers is not None:
+            self._trailers += _pairs(message.get("headers", ()), self._excluded)
+            if not message.get("more_trailers", False):
+                await self._finish(message)
+                return
         if not self.client_gone:
             try:
                 await self._send(message)
             except OSError:
                 self.client_gone = True
 
-    async def __call__(self, message: Message) -> None:
-        kind = message["type"]
-        if kind == "http.response.body" and self.started and not self.body_done:
-            body = message.get("body", b"")
-            if self._chunks is not None and body:
-                self._size += len(body)
-                if self._size > self._limit:
-                    self._chunks = None
-                else:
-                    self._chunks.append(body)
-            if message.get("more_body", False):
-                await self._forward(message)
-                return
-            self.body_done = True
-            if self._trailers is None:
-                await self._finish(message)
-            else:
-                await self._forward(message)
-            return
-        if kind == "http.response.trailers" and self.body_done and self._trailers is not None and not self.finished:
-            self._trailers += _pairs(message.get("headers", ()), self._excluded)
-            if message.get("more_trailers", False):
-                await self._forward(message)
-            else:
-                await self._finish(message)
-            return
-        if kind == "http.response.start" and not self.started:
-            self.started = True
-            self.status = message["status"]
-            self._headers = _pairs(message.get("headers", ()), self._excluded)
-            if message.get("trailers", False):
-                self._trailers = []
-        await self._forward(message)
-
     async def _finish(self, last: Message) -> None:
         """The answer is complete: store it, then send its last message."""
-        self.finished = True
-        if self._chunks is None:
-            response = StoredResponse(self.status, self._headers, b"", replayable=False, trailers=self._trailers)
+        self._state = _FINISHED
+        chunks = self._chunks
+        if chunks is None:
+            response = StoredResponse(self.status, self._headers, b"", False, self._trailers)
         else:
-            chunks = self._chunks
             body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            response = StoredResponse(self.status, self._headers, body, trailers=self._trailers)
+            response = StoredResponse(self.status, self._headers, body, True, self._trailers)
         try:
             await self._on_final(response)
-            await self._forward(last)
+            if not self.client_gone:
+                try:
+                    await self._send(last)
+                except OSError:
+                    self.client_gone = True
         finally:
-            self.wake()
+            if self._waiter is not None:
+                self._waiter.set()

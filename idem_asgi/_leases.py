@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ._logging import store_failed
 
@@ -19,13 +19,22 @@ logger = logging.getLogger("idem_asgi")
 Emit = Callable[["EventName", "Route", "RecordKey | None"], None]
 
 
+class Holder(Protocol):
+    """What is held: a protected request while its app runs (`_request.Protected`)."""
+
+    route: Route
+    rkey: RecordKey | None
+    token: int
+    due: float
+
+
 class Leases:
     """The claims held while their apps run; one timer renews the long-running ones.
 
     Holding a claim is a dict insert and releasing it a dict pop: no timer (`call_later` +
-    `cancel`) and no closure per request. While anything is held, one timer ticks every third of
-    the shortest route lease and extends each claim last extended a third of its own lease ago,
-    so a live claim is extended at most two thirds of its lease after the previous extension.
+    `cancel`), no closure and no object per request. While anything is held, one timer ticks every
+    third of the shortest route lease and extends each claim last extended a third of its own lease
+    ago, so a live claim is extended at most two thirds of its lease after the previous extension.
     An extension also keeps the record itself alive past its TTL while its app still runs.
     """
 
@@ -35,70 +44,56 @@ class Leases:
         self._backend = backend  # looked up at each renewal: the store may be wrapped later (testing)
         self._emit = emit
         self._tick = tick
-        self._held: dict[int, Renewal] = {}
+        self._held: dict[int, Holder] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def hold(self, route: Route, key: RecordKey, token: int) -> Renewal:
-        """Start renewing this claim until `Renewal.stop()`."""
+    def hold(self, holder: Holder) -> None:
+        """Start renewing this claim until `release(holder)`."""
         loop = asyncio.get_running_loop()
-        renewal = Renewal(self._held, route, key, token, loop.time() + route.lease / 3)
-        self._held[id(renewal)] = renewal
+        holder.due = loop.time() + holder.route.lease / 3
+        self._held[id(holder)] = holder
         if self._timer is None or self._loop is not loop:
             # the first claim since a tick found nothing held, or a new event loop (tests)
             self._loop = loop
             self._timer = loop.call_later(self._tick, self._fire)
-        return renewal
+
+    def release(self, holder: Holder) -> None:
+        """Stop renewing (idempotent): the answer is final, or the claim was lost."""
+        if self._held.get(id(holder)) is holder:
+            del self._held[id(holder)]
+
+    def holds(self, holder: Holder) -> bool:
+        """Still being renewed."""
+        return self._held.get(id(holder)) is holder
 
     def _fire(self) -> None:
         loop = self._loop
         assert loop is not None
         now = loop.time()
-        for renewal in list(self._held.values()):
-            if renewal.due <= now:
-                renewal.due = now + renewal.route.lease / 3
-                task = loop.create_task(self._extend(renewal))
+        for holder in list(self._held.values()):
+            if holder.due <= now:
+                holder.due = now + holder.route.lease / 3
+                task = loop.create_task(self._extend(holder))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
         self._timer = loop.call_later(self._tick, self._fire) if self._held else None
 
-    async def _extend(self, renewal: Renewal) -> None:
-        route, key = renewal.route, renewal.key
+    async def _extend(self, holder: Holder) -> None:
+        route, key = holder.route, holder.rkey
+        assert key is not None
         try:
-            held = await self._backend().extend(key, renewal.token, lease=route.lease)
+            held = await self._backend().extend(key, holder.token, lease=route.lease)
         except Exception as exc:
             store_failed(f"could not extend the lease of key {key.key!r}; will retry", exc)
             self._emit("store_error", route, key)
             return  # still held: the next tick tries again
-        if not renewal.held:
+        if not self.holds(holder):
             return  # the app finished meanwhile
         if held:
             self._emit("lease_extended", route, key)
         else:
-            renewal.stop()
+            self.release(holder)
             logger.warning("idem_asgi: lease of key %r was lost while the app ran", key.key)
             self._emit("lease_lost", route, key)
-
-
-class Renewal:
-    """One claim held while its app runs; `stop()` (idempotent) when the app is done with it."""
-
-    __slots__ = ("_held", "due", "key", "route", "token")
-
-    def __init__(self, held: dict[int, Renewal], route: Route, key: RecordKey, token: int, due: float) -> None:
-        self._held = held
-        self.route = route
-        self.key = key
-        self.token = token
-        self.due = due
-
-    @property
-    def held(self) -> bool:
-        """Still being renewed."""
-        return self._held.get(id(self)) is self
-
-    def stop(self) -> None:
-        """Stop renewing (the answer is final, or the claim was lost)."""
-        if self._held.get(id(self)) is self:
-            del self._held[id(self)]

@@ -16,12 +16,10 @@ from typing import TYPE_CHECKING, Literal
 import anyio
 
 from . import problems
-from ._admission import Refused, header_key, request_scope, sentence
+from ._admission import Refused, parsed_key, request_scope, sentence
 from ._asgi import (
     HIDDEN_EXTENSIONS,
     TooLarge,
-    declared_too_large,
-    holding_disconnect,
     read_body,
     replaying,
     run_unclaimed,
@@ -30,7 +28,7 @@ from ._capture import Capture
 from ._decide import Action, decide
 from ._logging import redact, store_failed, throttled
 from ._types import Receive, Scope, Send
-from .context import STATE_KEY, IdempotencyInfo, serving
+from .context import STATE_KEY, IdempotencyInfo, enter, leave
 from .errors import BackendMisconfigured, StoreFull
 from .keys import route_key
 from .observe import EventName
@@ -38,7 +36,6 @@ from .records import Claimed, ClaimResult, Existing, Record, RecordKey, StoredRe
 from .routing import Route, route_path
 
 if TYPE_CHECKING:
-    from ._leases import Renewal
     from .backends import Backend
     from .middleware import IdempotencyMiddleware
 
@@ -60,13 +57,13 @@ class Protected:
     __slots__ = (
         "_active",
         "body",
+        "due",
         "effect",
         "fingerprint",
         "key",
         "mw",
         "owner",
         "receive",
-        "renewal",
         "rkey",
         "route",
         "scope",
@@ -88,7 +85,7 @@ class Protected:
         self.token = 0
         self.effect = False
         self._active = False
-        self.renewal: Renewal | None = None
+        self.due = 0.0
 
     # -- the claim handle handlers reach through IdempotencyInfo ----------------------------------
 
@@ -111,10 +108,21 @@ class Protected:
     async def handle(self) -> None:
         """Answer the request: pass it through, refuse it, replay the stored answer, or run the app once."""
         try:
-            if await self._prepare():
-                result = await self._claim()
-                if result is not None:
-                    await self._act(result)
+            if not await self._prepare():
+                return
+            route, rkey = self.route, self.rkey
+            assert rkey is not None
+            try:
+                result = await self.mw.backend.claim(rkey, self.fingerprint, lease=route.lease, ttl=route.ttl)
+            except Exception as exc:
+                await self._claim_failed(exc)  # refuses, or (fail-open) runs the app unclaimed
+                return
+            if result.__class__ is Claimed:  # a new key: the usual case, decided without `decide`
+                if self.mw.observed:
+                    self.mw.emit("claimed", route, rkey)
+                await self._run(result.token)
+            else:
+                await self._act(result)
         except Refused as refusal:
             if refusal.event is not None:
                 self.mw.emit(refusal.event, self.route, self.rkey, refusal.problem.status)
@@ -123,21 +131,39 @@ class Protected:
     async def _prepare(self) -> bool:
         """Read the key, the body and the scope. False when the request was passed through or ended."""
         route, scope = self.route, self.scope
-        given = header_key(route, scope)
+        raw: bytes | None = None
+        count = 0
+        length: bytes | None = None
+        name = route.header
+        for k, v in scope["headers"]:  # one pass: the key header, and the declared length
+            if k == name:
+                raw = v
+                count += 1
+            elif k == b"content-length":
+                length = v
+        given = parsed_key(route, raw, count) if count else None
         if given is None and route.key_source is None:
             if route.required:
                 raise Refused(problems.KEY_REQUIRED, f"This operation requires an {route.header_name} header.")
             await self.mw.app(scope, self.receive, self.send)
             return False
-        if declared_too_large(scope, route.max_body):
+        limit = route.max_body
+        if length is not None and length.isdigit() and int(length) > limit:
             raise self._too_large()
         hasher = route.fingerprint.begin(scope)
-        try:
-            body = await read_body(self.receive, route.max_body, hasher.update)
-        except TooLarge:
-            raise self._too_large() from None
-        if body is None:
-            return False  # the client left before anything was claimed
+        message = await self.receive()
+        if message["type"] == "http.request" and not message.get("more_body", False):
+            body = message.get("body", b"")  # the whole body in one message: the usual case
+            if len(body) > limit:
+                raise self._too_large()
+            hasher.update(body)
+        else:
+            try:
+                body = await read_body(self.receive, limit, hasher.update, first=message)
+            except TooLarge:
+                raise self._too_large() from None
+            if body is None:
+                return False  # the client left before anything was claimed
         self.body = body
         self.fingerprint = hasher.digest()
         if route.key_source is None:
@@ -159,23 +185,19 @@ class Protected:
         self.rkey = RecordKey.build(self.mw.namespace, stored_owner, stored)
         return True
 
-    async def _claim(self) -> ClaimResult | None:
-        """Claim-or-read in one store call. None when the store failed and fail-open ran the app."""
+    async def _claim_failed(self, exc: Exception) -> None:
+        """The claim raised: refuse (503, 429, 500 raise `Refused`), or with fail-open run the app unclaimed."""
         route, rkey = self.route, self.rkey
-        assert rkey is not None
-        try:
-            return await self.mw.backend.claim(rkey, self.fingerprint, lease=route.lease, ttl=route.ttl)
-        except StoreFull as exc:
+        if isinstance(exc, StoreFull):
             self.mw.emit("store_error", route, rkey)
             problem = problems.KEY_QUOTA if exc.scope_quota else problems.STORE_UNAVAILABLE
             raise Refused(problem, sentence(str(exc)), retry_after=route.retry_after, event=None) from None
-        except Exception as exc:
-            self._store_failed("claim failed", exc)
-            if self.mw.fail_open:
-                receive = replaying(self.body, self.receive)
-                await run_unclaimed(self.mw.app, self.scope, receive, self.send, self.key, self.owner)
-                return None
-            raise self._store_refusal(exc) from None
+        self._store_failed("claim failed", exc)
+        if self.mw.fail_open:
+            receive = replaying(self.body, self.receive)
+            await run_unclaimed(self.mw.app, self.scope, receive, self.send, self.key, self.owner)
+            return
+        raise self._store_refusal(exc) from None
 
     async def _act(self, result: ClaimResult) -> None:
         """Decide what the claim's outcome means, then run, replay or refuse."""
@@ -280,13 +302,14 @@ class Protected:
         assert rkey is not None
         self.token = token
         self._active = True
-        self.renewal = mw.leases.hold(route, rkey, token)
-        capture = Capture(self.send, self._on_final, excluded=route.excluded, limit=route.max_stored_body)
+        mw.leases.hold(self)
+        capture = Capture(
+            self.send, self.receive, self.body, self._on_final, excluded=route.excluded, limit=route.max_stored_body
+        )
         info = IdempotencyInfo(self.key, self.owner, self)
-        receive = holding_disconnect(self.body, self.receive, capture.wait_finished)
+        entered = enter(info)
         try:
-            with serving(info):
-                await mw.app(self._app_scope(info), receive, capture)
+            await mw.app(self._app_scope(info), capture.receive, capture)
         except Exception:
             if not capture.finished:
                 with anyio.CancelScope(shield=True):
@@ -298,7 +321,9 @@ class Protected:
                     await self._unfinished(capture, cancelled=True)
             raise
         finally:
-            self._stop()
+            leave(entered)
+            if self._active:
+                self._stop()
             capture.wake()
         if not capture.finished:
             await self._unfinished(capture, cancelled=False)
@@ -319,8 +344,7 @@ class Protected:
     def _stop(self) -> None:
         """The answer is final or abandoned: stop renewing, and later work is not part of the claim."""
         self._active = False
-        if self.renewal is not None:
-            self.renewal.stop()
+        self.mw.leases.release(self)
 
     async def _on_final(self, response: StoredResponse) -> None:
         """The app sent its whole answer: store it (or release the claim), before its last chunk goes out."""
@@ -347,7 +371,8 @@ class Protected:
                 logger.error("idem_asgi: too many answers waiting for the store; key %r is not retried", rkey.key)
             return
         if stored:
-            self.mw.emit("completed", route, rkey, response.status)
+            if self.mw.observed:
+                self.mw.emit("completed", route, rkey, response.status)
         else:
             logger.warning("idem_asgi: key %r was no longer held by this request; this answer was not stored", rkey.key)
             self.mw.emit("lease_lost", route, rkey, response.status)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from typing import TYPE_CHECKING, Final, Protocol
 
 if TYPE_CHECKING:
@@ -90,6 +90,16 @@ _current: ContextVar[IdempotencyInfo | None] = ContextVar("idem_asgi_current", d
 def current_idempotency() -> IdempotencyInfo | None:
     """The key and scope of the protected request running in this context, else None."""
     return _current.get()
+
+
+def enter(info: IdempotencyInfo) -> Token[IdempotencyInfo | None]:
+    """Make `info` what `current_idempotency()` returns, until `leave(token)` (the middleware's hot path)."""
+    return _current.set(info)
+
+
+def leave(token: Token[IdempotencyInfo | None]) -> None:
+    """Undo `enter`."""
+    _current.reset(token)
 
 
 @contextmanager

@@ -28,13 +28,30 @@ class FingerprintRule(Protocol):
     def begin(self, scope: Scope) -> Hasher: ...
 
 
+_prefixes: dict[tuple[str, str, bytes], bytes] = {}
+"""(method, path, query) -> its length-prefixed bytes: most requests of a route repeat them."""
+
+
+def _prefix(method: str, path: str, query: bytes) -> bytes:
+    found = _prefixes.get((method, path, query))
+    if found is None:
+        m = method.encode("ascii")
+        p = path.encode("utf-8", "surrogateescape")
+        found = b"".join(
+            (len(m).to_bytes(4, "big"), m, len(p).to_bytes(4, "big"), p, len(query).to_bytes(4, "big"), query)
+        )
+        if len(_prefixes) >= 4096:
+            _prefixes.clear()  # bounded: paths with ids in them never stop coming
+        _prefixes[method, path, query] = found
+    return found
+
+
 def _head(scope: Scope, headers: tuple[bytes, ...]) -> Any:
     """A sha256 already fed the length-prefixed method, path, query and chosen headers."""
-    method = scope["method"].encode("ascii")
-    path = scope["path"].encode("utf-8", "surrogateescape")
-    query = scope["query_string"]
-    data = [len(method).to_bytes(4, "big"), method, len(path).to_bytes(4, "big"), path]
-    data += (len(query).to_bytes(4, "big"), query)
+    prefix = _prefix(scope["method"], scope["path"], scope["query_string"])
+    if not headers:
+        return hashlib.sha256(prefix)
+    data = [prefix]
     if headers:
         present: dict[bytes, list[bytes]] = {}
         for k, v in scope["headers"]:

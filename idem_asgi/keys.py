@@ -23,8 +23,13 @@ _ESCAPE: Final = re.compile(rb'\\(["\\])')
 ScopeFunc = Callable[[Scope], "str | None"]
 
 
+_VISIBLE_BYTES: Final = bytes(range(0x21, 0x7F))
+
+
 def parse_key(value: bytes) -> str:
     """Return the key carried by one header value, or raise `MalformedKey` saying why."""
+    if 0 < len(value) <= MAX_KEY_LENGTH and not value.translate(None, _VISIBLE_BYTES) and value[0] != 0x22:
+        return value.decode("ascii")  # a bare token of visible ASCII: the usual case, one C pass
     value = value.strip(b" \t")
     if value[:1] == b'"':
         m = _SF_STRING.fullmatch(value)

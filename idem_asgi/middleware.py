@@ -74,6 +74,7 @@ class IdempotencyMiddleware:
     ) -> None:
         self.app = app
         self._observer = observer
+        self.observed = observer is not None  # checked before building an event on the hot path
         self.backend: Backend = _shared.backend_for(backend, routes)
         if on_store_error not in ("fail_closed", "fail_open"):
             raise ConfigurationError(f"on_store_error must be 'fail_closed' or 'fail_open', got {on_store_error!r}")

@@ -1,6 +1,9 @@
 """The backend contract: the same tests, unchanged, on every store: memory, Redis through the lean
 pool `from_url` builds, Redis through a plain redis-py client handed in, a three-primary Redis
-Cluster, and Postgres."""
+Cluster, and Postgres.
+
+A plain client a user hands in takes the lean pool too (`redis-client`); one the lean pool cannot
+serve (here: a client name) keeps redis-py for every call (`redis-py`), as a Cluster does."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ DAY = 86_400.0
 STORES = [
     *BACKENDS,
     pytest.param("redis-client", marks=pytest.mark.redis),
+    pytest.param("redis-py", marks=pytest.mark.redis),
     pytest.param("redis-cluster", marks=pytest.mark.redis),
 ]
 
@@ -38,10 +42,15 @@ def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
     prefix = f"idem-test:{uuid.uuid4().hex}:"
     client = None
-    if request.param == "redis-client":  # the user's own client: no lean pool, redis-py serves every call
+    if request.param in ("redis-client", "redis-py"):
+        # The user's own client: a plain one gets the lean pool on its address; one with a client
+        # name (like TLS or RESP3) keeps redis-py serving every call.
         require("redis", REDIS_URL)
-        client = aioredis.Redis.from_url(REDIS_URL, socket_timeout=5)
-        store: Backend = RedisBackend(client, prefix=prefix)
+        name = "contract" if request.param == "redis-py" else None
+        client = aioredis.Redis.from_url(REDIS_URL, socket_timeout=5, client_name=name)
+        redis_store = RedisBackend(client, prefix=prefix)
+        assert (redis_store._lean is None) == (name is not None)
+        store: Backend = redis_store
     elif request.param == "redis-cluster":
         store = RedisBackend.from_url(request.getfixturevalue("cluster_url"), cluster=True, prefix=prefix)
     else:

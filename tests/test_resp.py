@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
+from redis.credentials import UsernamePasswordCredentialProvider
 
 from idem_asgi.backends._resp import RespPool, _pack
 from idem_asgi.backends.redis import RedisBackend
@@ -166,6 +167,53 @@ async def test_backend_survives_a_restart_with_one_retry(throwaway: RedisProcess
         throwaway.start()
         # The pooled connection is dead; the first call after the restart retries on a new one.
         assert isinstance(await backend.claim(rk("b"), b"fp", lease=30, ttl=60), Claimed)
+
+
+def test_from_client_takes_a_plain_clients_address_and_refuses_what_it_cannot_serve(tmp_path: Path) -> None:
+    def pool(client: object) -> RespPool | None:
+        return RespPool.from_client(client, timeout=1.5)
+
+    given = aioredis.Redis(host="example", port=7000, db=5, username="alice", password="pw", socket_timeout=3)
+    tcp = pool(given)
+    assert tcp is not None
+    assert (tcp.host, tcp.port, tcp.db, tcp.username, tcp.password) == ("example", 7000, 5, "alice", "pw")
+    assert tcp.timeout == 3
+    assert tcp.max_connections == min(256, given.connection_pool.max_connections)
+    unix = pool(aioredis.Redis(unix_socket_path="/run/r.sock", db=2, socket_timeout=None))
+    assert unix is not None and (unix.path, unix.db, unix.timeout) == ("/run/r.sock", 2, 1.5)
+    blocking = aioredis.BlockingConnectionPool(host="h", max_connections=12)
+    bounded = pool(aioredis.Redis(connection_pool=blocking))
+    assert bounded is not None and bounded.max_connections == 12
+    refused = [
+        aioredis.Redis(host="h", ssl=True),
+        aioredis.Redis(host="h", protocol=3),
+        aioredis.Redis(host="h", client_name="billing"),
+        aioredis.Redis(host="h", decode_responses=True),
+        aioredis.Redis(host="h", credential_provider=UsernamePasswordCredentialProvider("u", "p")),
+        aioredis.Sentinel([("h", 26379)]).master_for("mymaster"),  # type: ignore[no-untyped-call]  # untyped in redis-py
+        aioredis.RedisCluster(host="h", port=7000),
+    ]
+    assert [pool(c) for c in refused] == [None] * len(refused)
+
+
+async def test_a_users_own_client_serves_the_ops_tools_and_the_lean_pool_the_requests(tmp_path: Path) -> None:
+    with redis_process(tmp_path / "redis") as server:
+        async with aioredis.Redis(port=server.port) as setup:
+            await setup.config_set("requirepass", "s3cret")
+        client = aioredis.Redis(port=server.port, password="s3cret", db=3, socket_timeout=2)
+        try:
+            async with RedisBackend(client, prefix="own:") as backend:
+                assert backend._lean is not None and (backend._lean.db, backend._lean.password) == (3, "s3cret")
+                claimed = await backend.claim(rk(), b"fp", lease=30, ttl=60)
+                assert isinstance(claimed, Claimed)
+                assert isinstance(await backend.claim(rk(), b"fp", lease=30, ttl=60), Existing)
+                assert [s.key.key for s in await backend.stale(older_than=-3600)] == [rk().key]
+                assert await client.ping()  # still the user's, and still open after aclose below
+            assert await client.dbsize() == 1
+            listed = await client.client_list()
+            assert len(listed) == 1, "the lean pool's connections close with the backend"
+        finally:
+            await client.aclose()
 
 
 async def test_auth_and_select_from_the_url(tmp_path: Path) -> None:

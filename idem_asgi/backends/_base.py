@@ -9,9 +9,12 @@ from typing import Any, TypeVar
 Self = TypeVar("Self", bound="ClosingMixin")
 
 
+_getrandbits = random.getrandbits
+
+
 def new_token() -> int:
     """A fresh fencing token: 62 random bits, never 0 (a store may use 0 for "none")."""
-    return random.getrandbits(62) + 1
+    return _getrandbits(62) + 1
 
 
 class ClosingMixin:

@@ -221,6 +221,49 @@ class RespPool:
             db = parsed.path.lstrip("/")
         return cls(host=parsed.hostname or "localhost", port=parsed.port or 6379, db=int(db or 0), **common)
 
+    @classmethod
+    def from_client(cls, client: Any, *, timeout: float, max_connections: int = 256) -> RespPool | None:
+        """A pool with the address and credentials of a user's `redis.asyncio.Redis`, or None when
+        its connections need more than we support (TLS, RESP3, a credential provider, a client
+        name, a custom connection class or pool such as Sentinel's).
+
+        The pool opens its own connections (at most `max_connections`, or the client pool's own
+        limit if lower); the client itself is left untouched. Calls are bounded by the client's
+        `socket_timeout`, or by `timeout` when it has none.
+        """
+        import redis.asyncio as aioredis
+        from redis.asyncio.connection import (
+            BlockingConnectionPool,
+            Connection,
+            ConnectionPool,
+            UnixDomainSocketConnection,
+        )
+
+        pool = getattr(client, "connection_pool", None)
+        if type(client) is not aioredis.Redis or type(pool) not in (ConnectionPool, BlockingConnectionPool):
+            return None
+        assert pool is not None
+        kwargs = pool.connection_kwargs
+        plain = (
+            kwargs.get("credential_provider") is None
+            and kwargs.get("client_name") is None
+            and kwargs.get("protocol") in (None, 2, "2")
+            and kwargs.get("redis_connect_func") is None
+            and not kwargs.get("decode_responses")
+        )
+        if not plain or pool.connection_class not in (Connection, UnixDomainSocketConnection):
+            return None
+        common: dict[str, Any] = {
+            "username": kwargs.get("username"),
+            "password": kwargs.get("password"),
+            "db": int(kwargs.get("db") or 0),
+            "timeout": kwargs.get("socket_timeout") or timeout,
+            "max_connections": min(max_connections, pool.max_connections),
+        }
+        if pool.connection_class is UnixDomainSocketConnection:
+            return cls(path=kwargs["path"], **common)
+        return cls(host=kwargs.get("host", "localhost"), port=int(kwargs.get("port", 6379)), **common)
+
     @property
     def connections(self) -> int:
         """Connections open or being opened."""

@@ -37,14 +37,14 @@ from ..records import (
 from ._base import ClosingMixin, new_token
 
 
-def _size(rec: Record) -> int:
-    """Bytes of the stored answer a record holds (0 while in progress)."""
-    r = rec.response
-    if r is None:
-        return 0
-    size = len(r.body) + sum(len(k) + len(v) for k, v in r.headers)
+def _size(r: StoredResponse) -> int:
+    """Bytes a stored answer holds: body, headers, trailers."""
+    size = len(r.body)
+    for k, v in r.headers:
+        size += len(k) + len(v)
     if r.trailers:
-        size += sum(len(k) + len(v) for k, v in r.trailers)
+        for k, v in r.trailers:
+            size += len(k) + len(v)
     return size
 
 
@@ -89,6 +89,7 @@ class MemoryBackend(ClosingMixin):
         self._records: dict[str, Record] = {}
         self._keys: dict[str, RecordKey] = {}  # digest -> its (namespace, scope, key), for stale()
         self._scopes: dict[str, list[int]] = {}  # scope -> [records, bytes]
+        self._sizes: dict[str, int] = {}  # digest -> bytes of its stored answer (completed records only)
         self._bytes = 0
         self._expiry: list[tuple[float, str]] = []
         self._lock = threading.Lock()
@@ -109,9 +110,9 @@ class MemoryBackend(ClosingMixin):
         return rec
 
     def _drop(self, digest: str) -> None:
-        rec = self._records.pop(digest)
+        del self._records[digest]
         key = self._keys.pop(digest)
-        size = _size(rec)
+        size = self._sizes.pop(digest, 0)
         self._bytes -= size
         if key.scope:
             usage = self._scopes[key.scope]
@@ -121,21 +122,17 @@ class MemoryBackend(ClosingMixin):
                 del self._scopes[key.scope]
 
     def _set(self, digest: str, rec: Record) -> None:
-        """Replace a record in place, keeping the byte accounting right."""
+        """Replace an in-progress record in place (it holds no answer: no bytes change)."""
         old = self._records[digest]
-        delta = _size(rec) - _size(old)
         self._records[digest] = rec
-        if delta:
-            self._bytes += delta
-            scope = self._keys[digest].scope
-            if scope:
-                self._scopes[scope][1] += delta
         if rec.expires_at != old.expires_at:
             heapq.heappush(self._expiry, (rec.expires_at, digest))
 
     def _admit(self, key: RecordKey, now: float) -> None:
         """Raise StoreFull unless a new record fits the bounds (after dropping expired ones)."""
-        self._expire(now, None)
+        expiry = self._expiry
+        if expiry and expiry[0][0] <= now:
+            self._expire(now, None)
         if len(self._records) >= self.max_entries:
             raise StoreFull(f"memory store full: {len(self._records)} unexpired records (max_entries)")
         if self._bytes >= self.max_bytes:
@@ -155,8 +152,7 @@ class MemoryBackend(ClosingMixin):
             self._expiry = [(r.expires_at, d) for d, r in self._records.items()]
             heapq.heapify(self._expiry)
 
-    def _fits(self, key: RecordKey, response: StoredResponse) -> bool:
-        size = _size(Record(COMPLETED, b"", 0, 0.0, 0.0, response))
+    def _fits(self, key: RecordKey, size: int) -> bool:
         if self._bytes + size > self.max_bytes:
             return False
         usage = self._scopes.get(key.scope) if key.scope else None
@@ -165,12 +161,31 @@ class MemoryBackend(ClosingMixin):
     async def claim(self, key: RecordKey, fingerprint: bytes, *, lease: float, ttl: float) -> ClaimResult:
         with self._lock:
             now = self._clock()
-            rec = self._live(key.digest, now)
+            digest = key.digest
+            records = self._records
+            rec = records.get(digest)
             if rec is not None:
-                return Existing(rec, now)
-            self._admit(key, now)
+                if rec.expires_at > now:
+                    return Existing(rec, now)
+                self._drop(digest)  # expired: treated as absent
+            expiry = self._expiry
+            if (
+                len(records) >= self.max_entries
+                or self._bytes >= self.max_bytes
+                or (expiry and expiry[0][0] <= now)
+                or (key.scope and key.scope in self._scopes)
+            ):
+                self._admit(key, now)  # drops what expired, then checks every bound (StoreFull)
             token = new_token()
-            self._insert(key, Record(IN_PROGRESS, fingerprint, token, now + lease, now + ttl, ttl=ttl))
+            expires_at = now + ttl
+            records[digest] = Record(IN_PROGRESS, fingerprint, token, now + lease, expires_at, ttl=ttl)
+            self._keys[digest] = key
+            if key.scope:
+                self._scopes.setdefault(key.scope, [0, 0])[0] += 1
+            heapq.heappush(expiry, (expires_at, digest))
+            if len(expiry) > 2 * len(records) + 1024:
+                self._expiry = [(r.expires_at, d) for d, r in records.items()]
+                heapq.heapify(self._expiry)
             return Claimed(token)
 
     async def takeover(
@@ -197,13 +212,24 @@ class MemoryBackend(ClosingMixin):
     async def complete(self, key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
         with self._lock:
             now = self._clock()
-            rec = self._held(key, token, now)
-            if rec is None:
+            digest = key.digest
+            rec = self._records.get(digest)
+            if rec is None or rec.expires_at <= now or rec.state != IN_PROGRESS or rec.token != token:
+                if rec is not None and rec.expires_at <= now:
+                    self._drop(digest)
                 return False
-            if not self._fits(key, response):
+            size = _size(response)
+            if not self._fits(key, size):
                 # Over the byte budget: keep the outcome (never run it twice), not the bytes.
-                response = StoredResponse(response.status, [], b"", replayable=False)
-            self._set(key.digest, Record(COMPLETED, rec.fingerprint, token, now, now + ttl, response, ttl=rec.ttl))
+                response, size = StoredResponse(response.status, [], b"", replayable=False), 0
+            expires_at = now + ttl
+            self._records[digest] = Record(COMPLETED, rec.fingerprint, token, now, expires_at, response, ttl=rec.ttl)
+            if size:
+                self._sizes[digest] = size
+                self._bytes += size
+                if key.scope:
+                    self._scopes[key.scope][1] += size
+            heapq.heappush(self._expiry, (expires_at, digest))
             return True
 
     async def release(self, key: RecordKey, token: int) -> bool:

@@ -100,7 +100,11 @@ class RedisBackend(ClosingMixin):
     Args:
         client: A `redis.asyncio.Redis` or `RedisCluster` made with `decode_responses=False`.
             It stays yours: `aclose()` closes only a client built by `from_url`. Its own
-            timeouts bound every call, so give it a `socket_timeout`.
+            timeouts bound every call, so give it a `socket_timeout`. For a plain `Redis`
+            (TCP or unix socket, RESP2, password or ACL user; no TLS, credential provider or
+            client name) the per-request script calls go through the lean pool `from_url`
+            uses, on connections of its own to the same server (at most 256, or the client
+            pool's `max_connections` if lower); the client then serves only the ops tools.
         prefix: Prepended to every key, so several apps can share one Redis.
         max_concurrency: At most this many store calls in flight; more wait (up to
             `timeout`) instead of failing. `from_url` sets it for Redis Cluster, whose
@@ -129,6 +133,8 @@ class RedisBackend(ClosingMixin):
         self._owned = _owned
         # from_url's lean connection pool (see _resp.py) serves the hot script calls; the
         # redis-py client then only serves the tools (stale, SCAN) and connects when they run.
+        if _lean is None and RespPool is not None:
+            _lean = RespPool.from_client(client, timeout=timeout)
         self._lean = _lean
         self._slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         # redis-py's RedisCluster builds its slot map on first use and then recycles every
