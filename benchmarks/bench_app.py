@@ -3,6 +3,8 @@
 Routes:
 - `POST /noop`: protected (when the middleware is on); returns a small JSON. The overhead target.
 - `POST /open`: the same handler on a path no policy matches (pass-through cost).
+- `POST /read`: protected; reads the whole body and answers its length (the scale curve's route:
+  the bare app pays for reading the body too, as every real endpoint does).
 - `POST /pay`: protected, key required; sleeps ~10 ms, counts its executions per key in Redis
   (`INCR`, so the count is right across workers) and answers 201 with a fresh charge id, so a
   second execution is visible in the body too.
@@ -11,6 +13,7 @@ Routes:
 Selected by environment variables (read once, at start-up):
 - `IDEM_BENCH_BACKEND`: empty or `none` for the bare app; else `memory://`, `redis://...` or
   `postgresql://...` for IdempotencyMiddleware on that store.
+- `IDEM_BENCH_REDIS_CLIENT=1`: the Redis store over the user's own `redis.asyncio.Redis` client.
 - `IDEM_BENCH_PREFIX` (Redis key prefix), `IDEM_BENCH_TABLE` (Postgres table), `IDEM_BENCH_TTL`
   (route TTL in seconds, short so benchmark records do not linger in a shared store; the lease
   is min(30 s, TTL)), `IDEM_BENCH_MAX_ENTRIES` (memory store bound).
@@ -86,6 +89,10 @@ def build_bare() -> FastAPI:
     async def open_route() -> dict[str, Any]:
         return NOOP_BODY
 
+    @app.post("/read")
+    async def read(request: Request) -> dict[str, Any]:
+        return {"ok": True, "bytes": len(await request.body())}  # as every real endpoint does
+
     @app.post("/pay")
     async def pay(request: Request) -> JSONResponse:
         order = await request.json()
@@ -103,15 +110,28 @@ def build_bare() -> FastAPI:
     return app
 
 
+def make_backend(url: str) -> Any:
+    """The store for `url`; with `IDEM_BENCH_REDIS_CLIENT=1`, a Redis store over a client made the way
+    a user would make one (`redis.asyncio.Redis.from_url`), instead of `RedisBackend.from_url`."""
+    if os.environ.get("IDEM_BENCH_REDIS_CLIENT") == "1":
+        import redis.asyncio as aioredis
+
+        from idem_asgi.backends.redis import RedisBackend
+
+        return RedisBackend(aioredis.Redis.from_url(url, socket_timeout=2), **backend_options(url))
+    return backend_from_url(url, **backend_options(url))
+
+
 def protect(app: FastAPI, backend_url: str) -> FastAPI:
     """Add IdempotencyMiddleware on `/noop` and `/pay` (POST), backed by `backend_url`."""
     ttl = float(os.environ.get("IDEM_BENCH_TTL", "600"))
     lease = min(30.0, ttl)
     app.add_middleware(
         IdempotencyMiddleware,
-        backend=backend_from_url(backend_url, **backend_options(backend_url)),
+        backend=make_backend(backend_url),
         routes=[
             RoutePolicy("/noop", methods=["POST"], ttl=ttl, lease=lease, single_tenant=True),
+            RoutePolicy("/read", methods=["POST"], ttl=ttl, lease=lease, single_tenant=True, max_body=2 << 20),
             RoutePolicy("/pay", methods=["POST"], ttl=ttl, lease=lease, required=True, single_tenant=True),
         ],
     )

@@ -12,7 +12,8 @@ in alternating order (ABBA), `--rounds` times, so machine noise hits both sides 
 
 Then a sequential latency probe (concurrency 1) interleaves bare / first execution / replay
 request by request. The printed ratio is the median over rounds of ours/bare requests/s;
-targets (new-key): memory >= 0.92, redis >= 0.80, postgres >= 0.60.
+targets (new-key): memory >= 0.95, redis >= 0.85 (`from_url`) and >= 0.80 (`redis-client`: the
+user's own redis-py client), postgres >= 0.65; replay >= 1.0 on every store.
 
 In-process mode (`--inprocess`): no server, no network: the middleware called directly around a
 raw ASGI app, memory backend, bare and ours alternated; `--profile cprofile|pyinstrument` profiles it.
@@ -44,8 +45,10 @@ from idem_asgi._types import Receive, Scope, Send
 from tests.support.servers import POSTGRES_DSN, REDIS_URL, reachable
 
 CASES = ("passthrough", "new-key", "replay")
-BACKENDS = ("memory", "redis", "postgres")
-TARGETS = {"memory": 0.92, "redis": 0.80, "postgres": 0.60}  # new-key no-op, ours/bare requests/s
+BACKENDS = ("memory", "redis", "redis-client", "postgres")
+"""`redis` is `RedisBackend.from_url`; `redis-client` a `RedisBackend` over the user's own redis-py client."""
+TARGETS = {"memory": 0.95, "redis": 0.85, "redis-client": 0.80, "postgres": 0.65}  # new-key, ours/bare req/s
+REPLAY_TARGET = 1.0  # every store: a replay must be cheaper than running the no-op handler
 BODY = b'{"amount": 100}'
 
 
@@ -236,7 +239,13 @@ def print_round(rnd: int, rounds: int, backend: str, case: str, is_bare: bool, s
 
 
 def backend_url(name: str, args: argparse.Namespace) -> str:
-    url: str = {"memory": "memory://", "redis": args.redis_url, "postgres": args.postgres_dsn}[name]
+    urls = {
+        "memory": "memory://",
+        "redis": args.redis_url,
+        "redis-client": args.redis_url,
+        "postgres": args.postgres_dsn,
+    }
+    url: str = urls[name]
     return url
 
 
@@ -258,8 +267,8 @@ async def server_mode(args: argparse.Namespace) -> int:
         if c not in CASES:
             raise SystemExit(f"unknown case {c!r}; pick from {','.join(CASES)}")
     skipped = []
-    if "redis" in backends and not reachable(args.redis_url):
-        skipped.append("redis")
+    if not reachable(args.redis_url):
+        skipped += [b for b in backends if b.startswith("redis")]
     if "postgres" in backends and not reachable(args.postgres_dsn):
         skipped.append("postgres")
     backends = [b for b in backends if b not in skipped]
@@ -290,6 +299,8 @@ async def server_mode(args: argparse.Namespace) -> int:
         servers["bare"] = Server({**common, "IDEM_BENCH_BACKEND": "none"}, label=f"bare-{run}", **kw).start()
         for b in backends:
             env = {**common, "IDEM_BENCH_BACKEND": backend_url(b, args)}
+            if b == "redis-client":
+                env["IDEM_BENCH_REDIS_CLIENT"] = "1"
             if args.pythonpath:  # another idem_asgi checkout for the middleware servers (A/B a patch)
                 env["PYTHONPATH"] = args.pythonpath
             servers[b] = Server(env, label=f"{b}-{run}", **kw).start()
@@ -333,7 +344,7 @@ async def server_mode(args: argparse.Namespace) -> int:
         try:
             if "postgres" in backends:
                 await drop_postgres(args.postgres_dsn, table)
-            if "redis" in backends:
+            if any(b.startswith("redis") for b in backends):
                 await delete_redis_prefix(args.redis_url, prefix)
         except Exception as exc:  # cleanup must not hide the real error
             print(f"# cleanup failed: {exc!r}", file=sys.stderr)
@@ -367,7 +378,7 @@ def report(
             ours_cpu = statistics.median(s.cpu_us for s in pair.ours)
             bare_rps = statistics.median(s.rps for s in pair.bare)
             ours_rps = statistics.median(s.rps for s in pair.ours)
-            target = TARGETS[b] if case == "new-key" else (1.0 if case == "passthrough" else None)
+            target = {"new-key": TARGETS[b], "replay": REPLAY_TARGET, "passthrough": 1.0}[case]
             row: dict[str, Any] = {
                 "kind": "summary",
                 "backend": b,
@@ -431,6 +442,12 @@ def report(
             f"{r['bare_p50_ms']:>8.2f}/{r['bare_p99_ms']:<8.2f}{r['ours_p50_ms']:>8.2f}/{r['ours_p99_ms']:<8.2f}"
             f"{r['ours_non200']:>8}"
         )
+    print()
+    for r in rows:
+        if r["case"] != "passthrough" and r["target"] is not None:
+            met = "met" if r["ratio"] >= r["target"] else "MISSED"
+            what = f"target {r['backend']} {r['case']} ours/bare req/s"
+            print(f"{what}: {r['ratio']:.2f} (goal >= {r['target']:.2f}) {met}")
     if lat_rows and any(r["samples"] for r in lat_rows):
         print()
         print("Sequential latency (concurrency 1, interleaved request by request), ms")
@@ -517,6 +534,8 @@ async def valgrind_mode(args: argparse.Namespace) -> int:
             await setup_postgres(args.postgres_dsn, table)
         for name in ["bare", *backends]:
             env = {**common, "IDEM_BENCH_BACKEND": "none" if name == "bare" else backend_url(name, args)}
+            if name == "redis-client":
+                env["IDEM_BENCH_REDIS_CLIENT"] = "1"
             if args.pythonpath and name != "bare":
                 env["PYTHONPATH"] = args.pythonpath
             label = f"vg-{name}-{run}"
@@ -543,7 +562,7 @@ async def valgrind_mode(args: argparse.Namespace) -> int:
         try:
             if "postgres" in backends:
                 await drop_postgres(args.postgres_dsn, table)
-            if "redis" in backends:
+            if any(b.startswith("redis") for b in backends):
                 await delete_redis_prefix(args.redis_url, prefix)
         except Exception as exc:
             print(f"# cleanup failed: {exc!r}", file=sys.stderr)
@@ -726,7 +745,7 @@ async def profile_mode(args: argparse.Namespace, cases: list[str]) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backends", default=",".join(BACKENDS), help="comma list of memory,redis,postgres")
+    p.add_argument("--backends", default=",".join(BACKENDS), help="comma list of memory,redis,redis-client,postgres")
     p.add_argument("--cases", default=",".join(CASES), help="comma list of passthrough,new-key,replay")
     p.add_argument("--rounds", type=int, default=3, help="bare/ours round pairs per backend and case")
     p.add_argument("--duration", type=float, default=3.0, help="seconds per round and side")

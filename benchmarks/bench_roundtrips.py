@@ -297,6 +297,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def report(results: dict[str, Any]) -> list[str]:
     lines = [f"store round trips per request, n={results['n']} (targets: new 2, replay 1)"]
     failures = []
+    targets: list[tuple[str, str, float]] = []
     if "redis" in results:
         r = results["redis"]
         lines.append(f"redis ({r['server']}):")
@@ -311,6 +312,7 @@ def report(results: dict[str, Any]) -> list[str]:
             )
             if ours > TARGET[phase] + 1e-9:
                 failures.append(f"redis {phase}")
+            targets.append(("redis", phase, ours))
     if "postgres" in results:
         r = results["postgres"]
         lines.append(f"postgres (pool reset: {r['pool_reset']}):")
@@ -324,7 +326,12 @@ def report(results: dict[str, Any]) -> list[str]:
             )
             if value > TARGET[phase] + 1e-9:
                 failures.append(f"postgres {phase}")
+            targets.append(("postgres", phase, value))
     results["over_target"] = failures
+    lines.append("")
+    for store, phase, value in targets:
+        met = "met" if value <= TARGET[phase] + 1e-9 else "MISSED"
+        lines.append(f"target {store} {phase} round trips per request: {value:.3f} (goal <= {TARGET[phase]}) {met}")
     return lines
 
 

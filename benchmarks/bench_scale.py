@@ -1,9 +1,11 @@
 """How requests/s and p99 change with concurrency and body size, and memory per in-flight request.
 
-Server part: uvicorn (1 worker, pinned to cpu 0; the client on cpu 1) serving the FastAPI no-op
-app bare and behind the middleware; every request a new key. For each concurrency (1, 8, 32,
-128) and each body size (1 KiB, 64 KiB, 1 MiB at concurrency 8), a bare round and an "ours"
-round run back to back, so machine noise hits both alike. In-process part: N requests held
+Server part: uvicorn (1 worker, pinned to cpu 0; the client on cpu 1) serving the FastAPI app's
+`/read` route (it reads the whole body, as real endpoints do) bare and behind the middleware;
+every request a new key. For each concurrency (1, 8, 32, 128) and each body size (1 KiB, 64 KiB,
+1 MiB at concurrency 8), `--rounds` bare/ours pairs run back to back in alternating order, so
+machine noise hits both alike; the ratio is the median of the pairs'. Targets: at concurrency 128
+the ratio holds >= 0.9 of its concurrency-1 value, at 1 MiB it stays >= 0.8. In-process part: N requests held
 in flight inside the handler; tracemalloc gives the middleware's memory per in-flight request.
 
     python -m benchmarks.bench_scale                     # memory backend
@@ -17,6 +19,7 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 import tracemalloc
 import uuid
 from typing import Any
@@ -39,7 +42,7 @@ BODIES = (1 << 10, 64 << 10, 1 << 20)
 def new_key_request(body: bytes) -> Any:
     def request_for(i: int) -> bytes:
         headers = [("idempotency-key", uuid.uuid4().hex), ("content-type", "application/octet-stream")]
-        return build_request("POST", "/noop", headers=headers, body=body)
+        return build_request("POST", "/read", headers=headers, body=body)
 
     return request_for
 
@@ -63,24 +66,33 @@ async def measure(server: Server, body: bytes, concurrency: int, duration: float
     }
 
 
-async def scale(backend: str, duration: float) -> list[dict[str, Any]]:
+async def scale(backend: str, duration: float, rounds: int) -> list[dict[str, Any]]:
+    """Each point: `rounds` bare/ours pairs in alternating order; the median of the pairs' ratios."""
     rows: list[dict[str, Any]] = []
     bare = Server({"IDEM_BENCH_BACKEND": "none"}, label=f"scale-bare-{uuid.uuid4().hex[:6]}").start()
     ours = Server({"IDEM_BENCH_BACKEND": URLS[backend]}, label=f"scale-{backend}-{uuid.uuid4().hex[:6]}").start()
     try:
+        for server in (bare, ours):  # warm-up, not recorded
+            await measure(server, b"x" * 1024, 8, 0.5)
         points = [(c, BODIES[0]) for c in CONCURRENCY] + [(8, size) for size in BODIES[1:]]
-        for concurrency, size in points:
+        for i, (concurrency, size) in enumerate(points):
             body = b"x" * size
-            a = await measure(bare, body, concurrency, duration)
-            b = await measure(ours, body, concurrency, duration)
+            pairs = []
+            for r in range(rounds):
+                first, second = (bare, ours) if (i + r) % 2 == 0 else (ours, bare)
+                one = await measure(first, body, concurrency, duration)
+                two = await measure(second, body, concurrency, duration)
+                pairs.append((one, two) if first is bare else (two, one))
+            ratios = sorted(o["rps"] / a["rps"] for a, o in pairs if a["rps"])
+            a, b = pairs[len(pairs) // 2]
             rows.append(
                 {
                     "backend": backend,
                     "concurrency": concurrency,
                     "body_bytes": size,
-                    "bare_rps": a["rps"],
-                    "ours_rps": b["rps"],
-                    "ratio": round(b["rps"] / a["rps"], 2) if a["rps"] else 0,
+                    "bare_rps": statistics.median(p[0]["rps"] for p in pairs),
+                    "ours_rps": statistics.median(p[1]["rps"] for p in pairs),
+                    "ratio": round(statistics.median(ratios), 3) if ratios else 0,
                     "bare_p99_ms": a["p99_ms"],
                     "ours_p99_ms": b["p99_ms"],
                     "ours_p50_ms": b["p50_ms"],
@@ -90,6 +102,24 @@ async def scale(backend: str, duration: float) -> list[dict[str, Any]]:
         bare.stop()
         ours.stop()
     return rows
+
+
+def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Flat as the work grows: at concurrency 128 the ratio holds >= 0.9 of its concurrency-1 value,
+    and at 1 MiB bodies (the bare route reading them too) it stays >= 0.8."""
+    out = []
+    for backend in sorted({r["backend"] for r in rows}):
+        mine = {(r["concurrency"], r["body_bytes"]): r["ratio"] for r in rows if r["backend"] == backend}
+        c1, c128, mib = mine.get((1, BODIES[0])), mine.get((128, BODIES[0])), mine.get((8, BODIES[-1]))
+        if c1 and c128 is not None:
+            out.append(
+                {"target": f"{backend} ratio at concurrency 128 / at 1", "value": round(c128 / c1, 3), "goal": 0.9}
+            )
+        if mib is not None:
+            out.append({"target": f"{backend} ratio at 1 MiB bodies", "value": mib, "goal": 0.8})
+    for t in out:
+        t["met"] = t["value"] >= t["goal"]
+    return out
 
 
 async def memory_per_in_flight(n: int, size: int) -> float:
@@ -144,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backends", default="memory", help="comma-separated: memory, redis, postgres")
     parser.add_argument("--duration", type=float, default=1.5, help="seconds per round (default 1.5)")
+    parser.add_argument("--rounds", type=int, default=3, help="bare/ours pairs per point (default 3; median)")
     parser.add_argument("--json", action="store_true", help="print JSON lines instead of tables")
     args = parser.parse_args(argv)
     install_signal_handlers()
@@ -151,13 +182,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rows: list[dict[str, Any]] = []
         for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
-            rows += asyncio.run(scale(backend, args.duration))
+            rows += asyncio.run(scale(backend, args.duration, args.rounds))
         memory = [(size, asyncio.run(memory_per_in_flight(200, size))) for size in (1 << 10, 64 << 10)]
     finally:
         stop_all()
+    goals = targets(rows)
     if args.json:
         for row in rows:
             print(json.dumps(row))
+        for goal in goals:
+            print(json.dumps(goal))
         for size, per in memory:
             print(json.dumps({"in_flight_body_bytes": size, "bytes_per_in_flight_request": round(per)}))
         return 0
@@ -169,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['backend']} | {r['concurrency']} | {r['body_bytes'] // 1024} KiB | {r['bare_rps']:.0f} | "
             f"{r['ours_rps']:.0f} | {r['ratio']:.2f} | {r['bare_p99_ms']:.1f} | {r['ours_p99_ms']:.1f} |"
         )
+    print()
+    for t in goals:
+        print(f"target {t['target']}: {t['value']:.2f} (goal >= {t['goal']:.2f}) {'met' if t['met'] else 'MISSED'}")
     print("\n| body of each in-flight request | middleware memory per in-flight request (besides its body) |")
     print("|---:|---:|")
     for size, per in memory:

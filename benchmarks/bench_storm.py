@@ -462,12 +462,17 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                     f"  {b:<8} {w}w   ours {ours['extra']:>4}   strawman {straw['extra']:>4} "
                     f"({straw['keys_executed_twice_or_more']} of {straw['keys']} keys ran twice or more)   {verdict}"
                 )
+        print()
+        for b, w in pairs:
+            if (ours := by.get((b, w, "ours"))) is not None:
+                met = "met" if ours["extra"] == 0 and ours["keys_bodies_differ"] == 0 else "MISSED"
+                print(f"target {b} {w} worker(s) extra executions: {ours['extra']} (goal 0) {met}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", default="memory,redis,postgres")
-    p.add_argument("--workers", default="1,2", help="uvicorn worker counts (memory runs 1 only)")
+    p.add_argument("--workers", default="1,2,4", help="uvicorn worker counts (memory runs 1 only)")
     p.add_argument("--middlewares", default="ours,strawman")
     p.add_argument("--keys", type=int, default=200)
     p.add_argument("--duplicates", type=int, default=8)

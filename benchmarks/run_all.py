@@ -78,6 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows = [json.loads(line) for line in scale.stdout.splitlines() if line.startswith("{")]
     sections.append("## Scale curve\n\n```\n" + "\n".join(json.dumps(r) for r in rows) + "\n```\n")
+    goals = [line for section in sections for line in section.splitlines() if line.startswith("target ")]
+    for r in rows:
+        if "target" in r:
+            met = "met" if r["met"] else "MISSED"
+            goals.append(f"target {r['target']}: {r['value']:.2f} (goal >= {r['goal']:.2f}) {met}")
+    summary = "\n".join(goals)
+    print(f"== Targets ({sum('MISSED' in g for g in goals)} of {len(goals)} missed)\n{summary}", flush=True)
+    sections.insert(0, f"## Targets\n\n```\n{summary}\n```\n")
     curve = [r for r in rows if "concurrency" in r]
     if curve:
         try:

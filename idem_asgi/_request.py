@@ -322,6 +322,7 @@ class Protected:
             raise
         finally:
             leave(entered)
+            info._claim = None  # no cycle request <-> info: freed by refcount, not by the GC
             if self._active:
                 self._stop()
             capture.wake()

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..context import ClaimHandle, current_idempotency
 from ..errors import ClaimLost, ConfigurationError
+from ._postgres_lean import LeanPool, broken_by
 from ._postgres_pool import _UNAVAILABLE, wrapped
 
 if TYPE_CHECKING:
@@ -87,8 +88,13 @@ async def _connection(store: PostgresBackend, connection: Any) -> AsyncIterator[
         raise wrapped(exc, store.table) from exc
     try:
         yield conn
-    finally:
-        await pool.release(conn)
+    except BaseException as exc:
+        if isinstance(pool, LeanPool):  # a cancelled or timed-out block may leave it mid-statement
+            pool.put(conn, broken=broken_by(exc))
+        else:
+            await pool.release(conn)
+        raise
+    await pool.release(conn)
 
 
 async def _mark_effect(store: PostgresBackend, conn: Any, claim: ClaimHandle) -> None:

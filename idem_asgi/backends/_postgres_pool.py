@@ -22,6 +22,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
     raise MissingExtra("PostgresBackend needs asyncpg: pip install 'idem-asgi[postgres]'") from exc
 
+from ._postgres_lean import LeanPool, broken_by  # after the check above: it needs asyncpg
+
 # asyncpg raises asyncio.TimeoutError, which is the builtin TimeoutError only from Python 3.11.
 _TIMEOUT: Final = (TimeoutError, asyncio.TimeoutError)
 _UNAVAILABLE: Final = (
@@ -83,6 +85,8 @@ class Runner:
         # so a hung server costs the caller `timeout`, not two or three times it.
         if deadline is None:
             deadline = monotonic() + self.timeout
+        if type(pool) is LeanPool:
+            return await self._run_lean(pool, method, sql, args, deadline)
         try:
             remaining = deadline - monotonic()
             if remaining <= 0:
@@ -114,6 +118,25 @@ class Runner:
                         await pool.release(conn)
                     finally:
                         turns.give_back()
+        except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
+            raise wrapped(exc, self.table) from exc
+
+    async def _run_lean(self, pool: LeanPool, method: str, sql: str, args: tuple[Any, ...], deadline: float) -> Any:
+        """`run` on the lean pool: no turns (its waiters are served in order), no timer unless it must wait."""
+        try:
+            conn = pool.take_now()
+            if conn is None:
+                remaining = deadline - monotonic()
+                if remaining <= 0:
+                    raise TimeoutError
+                conn = await pool.take(remaining)
+            try:
+                result = await getattr(conn, method)(sql, *args, timeout=max(deadline - monotonic(), 0.001))
+            except BaseException as exc:
+                pool.put(conn, broken=broken_by(exc))
+                raise
+            pool.put(conn)
+            return result
         except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
             raise wrapped(exc, self.table) from exc
 

@@ -33,6 +33,8 @@ from ..records import (
     RecordKey,
     StaleRecord,
     StoredResponse,
+    decode_response,
+    encode_response,
 )
 from ._base import ClosingMixin, new_token
 
@@ -90,6 +92,10 @@ class MemoryBackend(ClosingMixin):
         self._keys: dict[str, RecordKey] = {}  # digest -> its (namespace, scope, key), for stale()
         self._scopes: dict[str, list[int]] = {}  # scope -> [records, bytes]
         self._sizes: dict[str, int] = {}  # digest -> bytes of its stored answer (completed records only)
+        # digest -> the stored answer, encoded: one bytes object per answer, which the garbage
+        # collector never traverses (a held StoredResponse's header list would be, on every full
+        # collection, so pauses would grow with the store)
+        self._answers: dict[str, bytes] = {}
         self._bytes = 0
         self._expiry: list[tuple[float, str]] = []
         self._lock = threading.Lock()
@@ -109,10 +115,17 @@ class MemoryBackend(ClosingMixin):
             return None
         return rec
 
+    def _answered(self, digest: str, rec: Record) -> Record:
+        """`rec` as callers see it: a completed record carries its answer, decoded."""
+        if rec.state == COMPLETED:
+            return msgspec.structs.replace(rec, response=decode_response(self._answers[digest]))
+        return rec
+
     def _drop(self, digest: str) -> None:
         del self._records[digest]
         key = self._keys.pop(digest)
         size = self._sizes.pop(digest, 0)
+        self._answers.pop(digest, None)
         self._bytes -= size
         if key.scope:
             usage = self._scopes[key.scope]
@@ -166,7 +179,7 @@ class MemoryBackend(ClosingMixin):
             rec = records.get(digest)
             if rec is not None:
                 if rec.expires_at > now:
-                    return Existing(rec, now)
+                    return Existing(self._answered(digest, rec), now)
                 self._drop(digest)  # expired: treated as absent
             expiry = self._expiry
             if (
@@ -199,7 +212,7 @@ class MemoryBackend(ClosingMixin):
             token = new_token()
             fresh = Record(IN_PROGRESS, fingerprint, token, now + lease, now + ttl, ttl=ttl)
             if rec.state != IN_PROGRESS or rec.effect_committed or rec.token != stale_token or rec.lease_until > now:
-                return Existing(rec, now)
+                return Existing(self._answered(key.digest, rec), now)
             self._set(key.digest, fresh)
             return Claimed(token)
 
@@ -223,7 +236,8 @@ class MemoryBackend(ClosingMixin):
                 # Over the byte budget: keep the outcome (never run it twice), not the bytes.
                 response, size = StoredResponse(response.status, [], b"", replayable=False), 0
             expires_at = now + ttl
-            self._records[digest] = Record(COMPLETED, rec.fingerprint, token, now, expires_at, response, ttl=rec.ttl)
+            self._records[digest] = Record(COMPLETED, rec.fingerprint, token, now, expires_at, ttl=rec.ttl)
+            self._answers[digest] = encode_response(response)
             if size:
                 self._sizes[digest] = size
                 self._bytes += size
@@ -264,7 +278,8 @@ class MemoryBackend(ClosingMixin):
 
     async def get(self, key: RecordKey) -> Record | None:
         with self._lock:
-            return self._live(key.digest, self._clock())
+            rec = self._live(key.digest, self._clock())
+            return None if rec is None else self._answered(key.digest, rec)
 
     def _expire(self, now: float, limit: int | None) -> int:
         """Delete up to `limit` (None: all) records past their expiry, soonest first; returns how many."""

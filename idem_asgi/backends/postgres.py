@@ -29,6 +29,7 @@ from ..records import StaleRecord as StaleRecord  # re-exported: it was defined 
 from ._base import ClosingMixin, new_token
 from ._orphans import OrphanSweeper
 from ._postgres_effects import effect_transaction, live_claim
+from ._postgres_lean import POOL_ONLY, LeanPool
 from ._postgres_pool import _UNAVAILABLE, Runner, keep_session, wrapped
 from ._postgres_sql import DDL, Statements, index_name
 
@@ -106,23 +107,21 @@ class PostgresBackend(ClosingMixin):
         With `create_table=False` the table is never created as a side effect (only `setup()`
         creates it): a missing table is then a `BackendMisconfigured` naming `idem-asgi migrate`.
 
-        `pool_options` go to `asyncpg.create_pool` (defaults: `min_size=2`, `max_size=20`). The
-        pool's sessions are pinned to READ COMMITTED, which the claim statement relies on, unless
-        `server_settings` says otherwise. Connections go back to the pool without asyncpg's reset
-        query (`RESET ALL; UNLISTEN *; ...`): the backend leaves no session state behind, and the
-        reset would double the round trips (asyncpg still rolls back an open transaction itself).
+        The pool holds `min_size=2` to `max_size=20` connections (`pool_options`); its sessions
+        are pinned to READ COMMITTED, which the claim statement relies on, unless `server_settings`
+        says otherwise. It is a lean pool of raw asyncpg connections (`_postgres_lean.py`: half the
+        client CPU per statement of asyncpg's pool, callers served first come first served); every
+        other option goes to `asyncpg.connect` (`ssl`, `server_settings`, `statement_cache_size`,
+        ...). Given an option only asyncpg's pool has (`init`, `setup`, `connect`, `reset`,
+        `max_queries`, `max_inactive_connection_lifetime`), asyncpg's `create_pool` is used instead,
+        with a reset hook that sends nothing unless you pass `reset` (the backend leaves no session
+        state behind, and asyncpg's reset query would double the round trips).
         """
         backend = cls(table=table, timeout=timeout)
         backend._dsn = dsn
         backend._create_table = create_table
         server_settings = {"default_transaction_isolation": "read committed", **pool_options.pop("server_settings", {})}
-        backend._pool_options = {
-            "min_size": 2,
-            "max_size": 20,
-            "server_settings": server_settings,
-            "reset": keep_session,
-            **pool_options,
-        }
+        backend._pool_options = {"min_size": 2, "max_size": 20, "server_settings": server_settings, **pool_options}
         backend._owned = True
         return backend
 
@@ -142,7 +141,12 @@ class PostgresBackend(ClosingMixin):
             with anyio.fail_after(self.timeout):
                 async with self._lock:
                     if self._pool is None:
-                        pool = await asyncpg.create_pool(self._dsn, **self._pool_options)
+                        options = self._pool_options
+                        pool: Any
+                        if POOL_ONLY.isdisjoint(options) and "reset" not in options:
+                            pool = await LeanPool(self._dsn, **options).start()
+                        else:
+                            pool = await asyncpg.create_pool(self._dsn, **{"reset": keep_session, **options})
                         try:
                             if self._create_table:
                                 async with pool.acquire() as conn:
