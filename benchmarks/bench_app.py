@@ -19,6 +19,7 @@ Selected by environment variables (read once, at start-up):
   is min(30 s, TTL)), `IDEM_BENCH_MAX_ENTRIES` (memory store bound).
 - `IDEM_BENCH_COUNTER_URL` / `IDEM_BENCH_COUNTER_PREFIX`: where `/pay` counts executions (unset: no count).
 - `IDEM_BENCH_PAY_SLEEP`: seconds `/pay` sleeps (default 0.01).
+- `IDEM_BENCH_WAIT`: `wait=` (seconds) on `/pay`: repeats of a running payment are held, not 409.
 
 Run: `uvicorn --factory benchmarks.bench_app:create_app`.
 """
@@ -126,13 +127,14 @@ def protect(app: FastAPI, backend_url: str) -> FastAPI:
     """Add IdempotencyMiddleware on `/noop` and `/pay` (POST), backed by `backend_url`."""
     ttl = float(os.environ.get("IDEM_BENCH_TTL", "600"))
     lease = min(30.0, ttl)
+    wait = float(os.environ["IDEM_BENCH_WAIT"]) if os.environ.get("IDEM_BENCH_WAIT") else None
     app.add_middleware(
         IdempotencyMiddleware,
         backend=make_backend(backend_url),
         routes=[
             RoutePolicy("/noop", methods=["POST"], ttl=ttl, lease=lease, single_tenant=True),
             RoutePolicy("/read", methods=["POST"], ttl=ttl, lease=lease, single_tenant=True, max_body=2 << 20),
-            RoutePolicy("/pay", methods=["POST"], ttl=ttl, lease=lease, required=True, single_tenant=True),
+            RoutePolicy("/pay", methods=["POST"], ttl=ttl, lease=lease, required=True, single_tenant=True, wait=wait),
         ],
     )
     return app

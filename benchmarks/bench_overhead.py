@@ -421,7 +421,7 @@ def report(
         "best = best ours round / best bare round; cpu ratio = bare/ours server CPU per request"
     )
     head = (
-        f"{'backend':<9}{'case':<12}{'bare req/s':>11}{'ours req/s':>11}{'ratio':>7}{'min-max':>11}{'best':>6}"
+        f"{'backend':<13}{'case':<12}{'bare req/s':>11}{'ours req/s':>11}{'ratio':>7}{'min-max':>11}{'best':>6}"
         f"{'target':>12}{'cpu us/req':>14}{'cpu ratio':>10}{'bare p50/p99 ms':>17}{'ours p50/p99 ms':>17}{'non-200':>8}"
     )
     print(head)
@@ -436,7 +436,7 @@ def report(
             shown = f">={r['target']:.2f} {mark}"
         cpu = f"{r['bare_cpu_us']:.0f}/{r['ours_cpu_us']:.0f}"
         print(
-            f"{r['backend']:<9}{r['case']:<12}{r['bare_rps']:>11.0f}{r['ours_rps']:>11.0f}{r['ratio']:>7.2f}"
+            f"{r['backend']:<13}{r['case']:<12}{r['bare_rps']:>11.0f}{r['ours_rps']:>11.0f}{r['ratio']:>7.2f}"
             f"{r['ratio_min']:>6.2f}-{r['ratio_max']:<4.2f}{r['ratio_best']:>6.2f}{shown:>12}{cpu:>14}"
             f"{r['cpu_ratio'] or 0:>10.2f}"
             f"{r['bare_p50_ms']:>8.2f}/{r['bare_p99_ms']:<8.2f}{r['ours_p50_ms']:>8.2f}/{r['ours_p99_ms']:<8.2f}"
@@ -551,7 +551,7 @@ async def valgrind_mode(args: argparse.Namespace) -> int:
                                 "requests": n, "statuses": statuses})  # fmt: skip
                     if not args.json:
                         print(
-                            f"  {name:<9}{case:<12}{per_request:>12,.0f} instructions/request  {statuses}", flush=True
+                            f"  {name:<13}{case:<12}{per_request:>12,.0f} instructions/request  {statuses}", flush=True
                         )
             finally:
                 server.stop()
@@ -570,13 +570,13 @@ async def valgrind_mode(args: argparse.Namespace) -> int:
         print()
         print("Instructions per request (callgrind, server side only); ratio = bare / ours, the req/s ratio")
         print("a CPU-bound server would reach if every instruction cost the same (memory stalls ignored)")
-        print(f"{'backend':<9}{'case':<12}{'bare':>12}{'ours':>12}{'+instr':>10}{'ratio':>7}{'target':>8}")
+        print(f"{'backend':<13}{'case':<12}{'bare':>12}{'ours':>12}{'+instr':>10}{'ratio':>7}{'target':>8}")
         for (name, case), per_request in counts.items():
             bare = counts.get(("bare", case))
             if name == "bare" or not bare:
                 continue
             target = f"{TARGETS[name]:.2f}" if case == "new-key" else "-"
-            print(f"{name:<9}{case:<12}{bare:>12,.0f}{per_request:>12,.0f}{per_request - bare:>10,.0f}"
+            print(f"{name:<13}{case:<12}{bare:>12,.0f}{per_request:>12,.0f}{per_request - bare:>10,.0f}"
                   f"{bare / per_request:>7.2f}{target:>8}")  # fmt: skip
     return 0
 

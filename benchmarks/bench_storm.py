@@ -12,9 +12,15 @@ Printed per run: executions, extra executions (a payment charged twice), keys wh
 differ, late replays that match, status histogram, p50/p99 latency per attempt, attempts/s.
 Ours must show 0 extra executions and 0 differing keys; the strawman shows the race.
 
+Middleware `ours-wait` is ours with `wait=2` on `/pay`: repeats of a running payment are held and
+replayed instead of answered 409. Its rows show what that buys: attempts per request, the time from
+a request's first attempt to its final answer, and the store calls per request (Redis script calls
+from `INFO commandstats`, Postgres transactions from `pg_stat_database`; run the benchmark alone).
+
     python -m benchmarks.bench_storm --quick
     python -m benchmarks.bench_storm --keys 200 --duplicates 8 --json
     python -m benchmarks.bench_storm --backends redis --workers 2 --middlewares ours,strawman
+    python -m benchmarks.bench_storm --backends redis,postgres --workers 2 --middlewares ours,ours-wait
 """
 
 from __future__ import annotations
@@ -194,6 +200,7 @@ class StormResult:
     replays: int = 0
     replays_without_length: int = 0
     gave_up: int = 0
+    answered: list[float] = field(default_factory=list)  # per request: first attempt to final answer
 
 
 def request_bytes(key: str, amount: int) -> bytes:
@@ -224,6 +231,7 @@ async def storm(port: int, keys: list[str], args: argparse.Namespace, rng: rando
     async def one(key: str, amount: int, delay: float) -> None:
         raw = request_bytes(key, amount)
         await asyncio.sleep(delay)
+        began = perf()
         for attempt in range(args.max_retries + 1):
             if perf() > deadline:
                 res.final["time-limit"] += 1
@@ -247,6 +255,7 @@ async def storm(port: int, keys: list[str], args: argparse.Namespace, rng: rando
                 continue
             record(key, r)
             res.final[str(r.status)] += 1
+            res.answered.append(perf() - began)
             return
         res.gave_up += 1
         res.final["gave-up"] += 1
@@ -352,7 +361,8 @@ async def main_async(args: argparse.Namespace) -> int:
             counter_prefix = f"idem-bench-count:{run}:{n}:"
             env = {
                 "IDEM_BENCH_BACKEND": urls[backend],
-                "IDEM_BENCH_MW": mw,
+                "IDEM_BENCH_MW": "ours" if mw == "ours-wait" else mw,
+                "IDEM_BENCH_WAIT": "2" if mw == "ours-wait" else "",
                 "IDEM_BENCH_PREFIX": straw_prefix if mw == "strawman" else record_prefix,
                 "IDEM_BENCH_TABLE": table,
                 "IDEM_BENCH_STRAW_TABLE": straw_table,
@@ -365,10 +375,16 @@ async def main_async(args: argparse.Namespace) -> int:
             label = f"storm-{backend}-{workers}w-{mw}-{run}"
             keys = [f"pay-{run}-{n}-{i}" for i in range(args.keys)]
             with Server(env, label=label, workers=workers, cpus=cpus, factory="benchmarks.bench_storm:create_app") as s:
+                calls_before = await store_calls(backend, args)
                 res = await storm(s.port, keys, args, rng)
                 late_ok, late_n = await late_retries(s.port, keys, res, args)
+            await asyncio.sleep(0.5)  # the server's connections closed: Postgres has flushed their counts
+            calls = await store_calls(backend, args) - calls_before
             counts = await executions(args.redis_url, counter_prefix, keys)
             row = summarize(backend, workers, mw, args, res, counts, late_ok, late_n)
+            # per request, the late retries (one replay each) included
+            per = calls / (row["requests"] + late_n) if calls_before >= 0 else None
+            row["store_calls_per_request"] = None if per is None else round(per, 2)
             rows.append(row)
             if args.json:
                 print(json.dumps(row), flush=True)
@@ -389,8 +405,36 @@ async def main_async(args: argparse.Namespace) -> int:
             print(f"# cleanup failed: {exc!r}", file=sys.stderr)
     if not args.json:
         print_table(rows)
-    bad = [r for r in rows if r["middleware"] == "ours" and (r["extra"] or r["keys_bodies_differ"] or r["server_5xx"])]
+    ours = [r for r in rows if r["middleware"].startswith("ours")]
+    bad = [r for r in ours if r["extra"] or r["keys_bodies_differ"] or r["server_5xx"]]
     return 1 if bad else 0
+
+
+async def store_calls(backend: str, args: argparse.Namespace) -> int:
+    """Store calls made so far by the server under test: Redis script calls, Postgres transactions
+    (-1 where not counted: the memory store)."""
+    if backend == "redis":
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(args.redis_url)
+        try:
+            stats = await client.info("commandstats")
+        finally:
+            await client.aclose()
+        return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("evalsha", "eval", "fcall"))
+    if backend == "postgres":
+        import asyncpg
+
+        conn = await asyncpg.connect(args.postgres_dsn, timeout=5)
+        try:
+            await conn.execute("SELECT pg_stat_clear_snapshot()")
+            value = await conn.fetchval(
+                "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()"
+            )
+        finally:
+            await conn.close()
+        return int(value) - 2  # this function's own two statements
+    return -1
 
 
 def summarize(
@@ -426,6 +470,9 @@ def summarize(
         "final": dict(sorted(res.final.items())),
         "server_5xx": sum(n for s, n in res.statuses.items() if s.isdigit() and s.startswith("5") and s != "503"),
         "gave_up": res.gave_up,
+        "attempts_per_request": round(res.attempts / (args.keys * args.duplicates), 2),
+        "answered_p50_ms": round(percentile(res.answered, 50) * ms, 1) if res.answered else None,
+        "answered_p99_ms": round(percentile(res.answered, 99) * ms, 1) if res.answered else None,
         "p50_ms": round(percentile(res.latencies, 50) * ms, 2),
         "p99_ms": round(percentile(res.latencies, 99) * ms, 2),
         "wall_s": round(res.wall, 2),
@@ -463,10 +510,23 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                     f"({straw['keys_executed_twice_or_more']} of {straw['keys']} keys ran twice or more)   {verdict}"
                 )
         print()
+    if any((b, w, "ours-wait") in by for b, w in pairs):
+        print("Held repeats (wait=2) vs 409 + Retry-After, per request:")
         for b, w in pairs:
-            if (ours := by.get((b, w, "ours"))) is not None:
+            for mw in ("ours", "ours-wait"):
+                if (row := by.get((b, w, mw))) is not None:
+                    calls = "-" if row["store_calls_per_request"] is None else f"{row['store_calls_per_request']:.2f}"
+                    print(
+                        f"  {b:<8} {w}w {mw:<9}  attempts {row['attempts_per_request']:.2f}  store calls {calls:>5}"
+                        f"  answered p50 {row['answered_p50_ms']} ms  p99 {row['answered_p99_ms']} ms"
+                    )
+        print()
+    for b, w in pairs:
+        for mw in ("ours", "ours-wait"):
+            if (ours := by.get((b, w, mw))) is not None:
                 met = "met" if ours["extra"] == 0 and ours["keys_bodies_differ"] == 0 else "MISSED"
-                print(f"target {b} {w} worker(s) extra executions: {ours['extra']} (goal 0) {met}")
+                name = "" if mw == "ours" else " (wait)"
+                print(f"target {b} {w} worker(s){name} extra executions: {ours['extra']} (goal 0) {met}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -44,7 +44,7 @@ class Leases:
         self._backend = backend  # looked up at each renewal: the store may be wrapped later (testing)
         self._emit = emit
         self._tick = tick
-        self._held: dict[int, Holder] = {}
+        self._held: dict[int, Holder] = {}  # by token (random 63-bit: unique among live claims)
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -53,7 +53,7 @@ class Leases:
         """Start renewing this claim until `release(holder)`."""
         loop = asyncio.get_running_loop()
         holder.due = loop.time() + holder.route.lease / 3
-        self._held[id(holder)] = holder
+        self._held[holder.token] = holder
         if self._timer is None or self._loop is not loop:
             # the first claim since a tick found nothing held, or a new event loop (tests)
             self._loop = loop
@@ -61,12 +61,16 @@ class Leases:
 
     def release(self, holder: Holder) -> None:
         """Stop renewing (idempotent): the answer is final, or the claim was lost."""
-        if self._held.get(id(holder)) is holder:
-            del self._held[id(holder)]
+        if self._held.get(holder.token) is holder:
+            del self._held[holder.token]
 
     def holds(self, holder: Holder) -> bool:
         """Still being renewed."""
-        return self._held.get(id(holder)) is holder
+        return self._held.get(holder.token) is holder
+
+    def held(self, token: int) -> bool:
+        """Whether the claim with this token is held in this process, its app still running."""
+        return token in self._held
 
     def _fire(self) -> None:
         loop = self._loop

@@ -207,7 +207,14 @@ class Protected:
             action = decide(result, self.fingerprint)
             if action is Action.IN_PROGRESS and route.wait and not waited:
                 waited = True
-                result = await self._wait(result)
+                handed = await self._wait(result)
+                if isinstance(handed, StoredResponse):  # the holder in this process handed its answer over
+                    self.mw.emit("replayed", route, self.rkey)
+                    if not handed.replayable:
+                        raise Refused(problems.NOT_STORED, event=None)
+                    await self._replay(handed)
+                    return
+                result = handed
             elif action is Action.EXPIRED and not recovered:
                 recovered = True
                 self.mw.emit("expired", route, self.rkey)
@@ -235,14 +242,22 @@ class Protected:
         else:
             raise Refused(problems.NOT_STORED, event=None)
 
-    async def _wait(self, result: ClaimResult) -> ClaimResult:
-        """Re-claim with backoff until the first request ends or the route's `wait` runs out."""
+    async def _wait(self, result: ClaimResult) -> ClaimResult | StoredResponse:
+        """Hold a repeat until the first request ends or the route's `wait` runs out.
+
+        A holder in this process hands its stored answer over (no store call while it runs); one
+        elsewhere is told by the store where it can (Redis: three store calls in all), else noticed
+        by re-claiming with backoff (10 ms doubling to 250 ms). Returns the answer handed over, or
+        the last claim result.
+        """
         route, rkey = self.route, self.rkey
         assert rkey is not None
         delay = 0.01
         with anyio.move_on_after(route.wait):
-            while decide(result, self.fingerprint) is Action.IN_PROGRESS:
-                await anyio.sleep(delay)
+            while isinstance(result, Existing) and decide(result, self.fingerprint) is Action.IN_PROGRESS:
+                outcome = await self._held(result.record.token, delay)
+                if isinstance(outcome, StoredResponse):
+                    return outcome
                 delay = min(delay * 2, 0.25)
                 try:
                     result = await self.mw.backend.claim(rkey, self.fingerprint, lease=route.lease, ttl=route.ttl)
@@ -250,6 +265,48 @@ class Protected:
                     self._store_failed("claim failed while waiting", exc)
                     break
         return result
+
+    async def _held(self, token: int, delay: float) -> object:
+        """Wait for the claim `token` to end: while its holder runs in this process, until it says so;
+        while it runs in another and the store tells ends (`watch`), until told; else for `delay`.
+        Both waits are checked each second; returns the holder's stored answer, or not."""
+        rkey, waiters, leases = self.rkey, self.mw.waiters, self.mw.leases
+        assert rkey is not None
+        watched = False
+        while True:
+            local = leases.held(token)
+            future = waiters.watch(rkey.digest, token)
+            try:
+                if not local and not watched:
+                    told = await self._watch(token)
+                    if told is False:
+                        return None  # it changed already: read it again
+                    watched = told is True
+                with anyio.move_on_after(1.0 if local or watched else delay):
+                    return await future
+            finally:
+                waiters.forget(rkey.digest, future)
+            if not (local and leases.held(token)):
+                return None
+
+    async def _watch(self, token: int) -> bool | None:
+        """Ask the store to tell this process when the claim ends (None: it cannot, so poll)."""
+        watch = getattr(self.mw.backend, "watch", None)
+        if watch is None:
+            return None
+        try:
+            told: bool | None = await watch(self.rkey, token, self.mw.waiters.changed)
+        except Exception as exc:
+            self._store_failed("watch failed while waiting", exc)
+            return None
+        return told
+
+    def _ended(self, answer: StoredResponse | None) -> None:
+        """Tell repeats held in this process that the claim ended (with its stored answer, or without)."""
+        if self.mw.waiters:
+            rkey = self.rkey
+            assert rkey is not None
+            self.mw.waiters.ended(rkey.digest, self.token, answer)
 
     async def _recover(self, record: Record) -> ClaimResult | StoredResponse:
         """An expired lease: ask the recover hook (or reclaim), then take the claim over or store its answer."""
@@ -357,10 +414,12 @@ class Protected:
                 await self._fail(response.status)
             else:
                 await self._release(response.status)
+            self._ended(None)
             return
         try:
             stored = await self.mw.backend.complete(rkey, self.token, response, ttl=route.ttl)
         except Exception as exc:
+            self._ended(None)
             self.mw.emit("store_error", route, rkey, response.status)
             # The effect happened and the client gets its answer. Never release: retry the write
             # in the background; if it never lands, the lease expires into outcome-unknown.
@@ -372,9 +431,11 @@ class Protected:
                 logger.error("idem_asgi: too many answers waiting for the store; key %r is not retried", rkey.key)
             return
         if stored:
+            self._ended(response)
             if self.mw.observed:
                 self.mw.emit("completed", route, rkey, response.status)
         else:
+            self._ended(None)
             logger.warning("idem_asgi: key %r was no longer held by this request; this answer was not stored", rkey.key)
             self.mw.emit("lease_lost", route, rkey, response.status)
 
@@ -389,6 +450,7 @@ class Protected:
         elif not cancelled:
             await self._release(status)
         # Cancelled before anything was answered: like a crash, the claim is kept and its lease ends.
+        self._ended(None)
 
     async def _release(self, status: int | None) -> None:
         """Delete the claim (fenced by its token) so a retry runs again."""

@@ -19,6 +19,7 @@ from ._leases import Leases
 from ._logging import once
 from ._request import Protected
 from ._types import ASGIApp, Message, Receive, Scope, Send
+from ._waiting import Waiters
 from .backends import Backend
 from .errors import BackendMisconfigured, ConfigurationError
 from .keys import ScopeFunc
@@ -86,6 +87,7 @@ class IdempotencyMiddleware:
         self.replay_header = (replay_header.lower().encode("latin-1"), b"true")
         self.leases = Leases(lambda: self.backend, self.emit, min((r.lease for r in self.routes), default=30.0) / 3)
         self.late = LateCompletions(lambda: self.backend)
+        self.waiters = Waiters()  # repeats held on `wait=` routes, woken by their holder in this process
         self._check_scoping(strict)
         self._check_compression()
         self._disabled = os.environ.get("IDEM_ASGI_DISABLED", "").strip().lower() in ("1", "true", "yes", "on")

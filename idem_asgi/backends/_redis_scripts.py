@@ -2,7 +2,8 @@
 
 Record hash fields: `s` state (`p` in progress, `u` holder failed mid-answer, `c` completed), `f`
 fingerprint, `t` fencing token, `l` lease deadline and `e` expiry (ms), `r` response blob, `x`
-TTL (ms), `n`/`o`/`k` namespace, scope, key. Replies with a record are
+TTL (ms), `n`/`o`/`k` namespace, scope, key, `w` set when a repeat in another process waits on
+the claim (its end is then published on the backend's channel). Replies with a record are
 `{flag, now, s, f, t, l, e, r, x}`.
 """
 
@@ -52,7 +53,18 @@ return {1, now}
 """
 )
 
-# KEYS[1]; ARGV: token, response blob, ttl_ms
+# Tell held repeats in other processes that the record changed, when one asked (`WATCH` set `w`);
+# pcall: a role without the channel right still stores its answer.
+_TELL: Final = """
+if ARGV[CH] and redis.call('HEXISTS', KEYS[1], 'w') == 1 then pcall(redis.call, 'PUBLISH', ARGV[CH], KEYS[1]) end
+"""
+
+
+def _telling(at: int) -> str:
+    return _TELL.replace("CH", str(at))
+
+
+# KEYS[1]; ARGV: token, response blob, ttl_ms, channel (optional)
 COMPLETE: Final = (
     _NOW
     + """
@@ -61,17 +73,25 @@ if cur[2] ~= ARGV[1] then return 0 end
 if cur[1] == 'c' then return 1 end
 redis.call('HSET', KEYS[1], 's', 'c', 'r', ARGV[2], 'l', now, 'e', now + ARGV[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
+"""
+    + _telling(4)
+    + """
 return 1
 """
 )
 
-# KEYS[1]; ARGV: token
-RELEASE: Final = """
+# KEYS[1]; ARGV: token, channel (optional)
+RELEASE: Final = (
+    """
 local cur = redis.call('HMGET', KEYS[1], 's', 't')
 if cur[1] ~= 'p' or cur[2] ~= ARGV[1] then return 0 end
+"""
+    + _telling(2)
+    + """
 redis.call('DEL', KEYS[1])
 return 1
 """
+)
 
 # KEYS[1]; ARGV: token. Deletes a claim whose caller never learned it won (so never ran the app).
 # 1 deleted, 0 absent (not landed, or gone), -1 held by another token or completed.
@@ -99,16 +119,28 @@ return 1
 """
 )
 
-# KEYS[1]; ARGV: token. The holder failed mid-answer: lease over now, state 'u' (never released).
+# KEYS[1]; ARGV: token, channel (optional). The holder failed mid-answer: lease over now, state 'u'.
 FAIL: Final = (
     _NOW
     + """
 local cur = redis.call('HMGET', KEYS[1], 's', 't')
 if cur[1] ~= 'p' or cur[2] ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 's', 'u', 'l', now)
+"""
+    + _telling(2)
+    + """
 return 1
 """
 )
+
+# KEYS[1]; ARGV: token. A repeat held in another process asks to be told when the claim ends:
+# 1 (still held by `token`; `w` set), 0 (it changed already: read it again).
+WATCH: Final = """
+local cur = redis.call('HMGET', KEYS[1], 's', 't')
+if cur[1] ~= 'p' or cur[2] ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'w', '1')
+return 1
+"""
 
 # KEYS[1]
 READ: Final = (

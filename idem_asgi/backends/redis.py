@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar
 
 from ..errors import BackendUnavailable, ConfigurationError, MissingExtra
@@ -47,7 +47,8 @@ from ..records import (
 )
 from ._base import ClosingMixin, new_token
 from ._orphans import OrphanSweeper
-from ._redis_scripts import ABANDON, CLAIM, COMPLETE, EXTEND, FAIL, READ, RELEASE, TAKEOVER
+from ._redis_notices import Notices
+from ._redis_scripts import ABANDON, CLAIM, COMPLETE, EXTEND, FAIL, READ, RELEASE, TAKEOVER, WATCH
 from ._redis_stale import scan_stale
 
 try:
@@ -155,6 +156,10 @@ class RedisBackend(ClosingMixin):
         self._extend = register(EXTEND)
         self._fail = register(FAIL)
         self._read = register(READ)
+        self._watch = register(WATCH)
+        # Where the end of a watched claim is published (not on a cluster: no notices there, repeats poll).
+        self._channel: tuple[bytes, ...] = () if self._cluster else (f"{prefix}changed".encode(),)
+        self._notices = Notices(client, self._channel[0]) if self._channel else None
         # (redis key, token) -> [give-up time (monotonic), seen absent once]
         self._orphans = OrphanSweeper(self._abandon_claim)
 
@@ -289,16 +294,29 @@ class RedisBackend(ClosingMixin):
         return Existing(_record(reply), reply[1] / 1000)
 
     async def complete(self, key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
-        return bool(await self._call(self._complete, self._key(key), token, encode_response(response), _ms(ttl)))
+        blob = encode_response(response)
+        return bool(await self._call(self._complete, self._key(key), token, blob, _ms(ttl), *self._channel))
 
     async def release(self, key: RecordKey, token: int) -> bool:
-        return bool(await self._call(self._release, self._key(key), token))
+        return bool(await self._call(self._release, self._key(key), token, *self._channel))
 
     async def extend(self, key: RecordKey, token: int, *, lease: float) -> bool:
         return bool(await self._call(self._extend, self._key(key), token, _ms(lease)))
 
     async def mark_failed(self, key: RecordKey, token: int) -> bool:
-        return bool(await self._call(self._fail, self._key(key), token))
+        return bool(await self._call(self._fail, self._key(key), token, *self._channel))
+
+    async def watch(self, key: RecordKey, token: int, on_change: Callable[[str], None]) -> bool | None:
+        """Ask to be told (`on_change(digest)`) when the claim `token` on `key` ends in any process.
+
+        True: still held, and its end will be told; False: it changed already (read it again);
+        None: no notices from this store (a cluster, or the channel is refused): poll instead.
+        A held repeat on a `wait=` route in another process than the holder uses this, so it makes
+        three store calls however long the holder runs (claim, watch, the claim that replays).
+        """
+        if self._notices is None or not await self._notices.listen(on_change, self.timeout):
+            return None
+        return bool(await self._call(self._watch, self._key(key), token))
 
     async def check(self) -> None:
         """Claim and release a throwaway key: proves the credentials, the database and the script rights."""
@@ -369,6 +387,8 @@ class RedisBackend(ClosingMixin):
     async def aclose(self) -> None:
         """Stop the background sweep and close the client if `from_url` made it."""
         await self._orphans.aclose()
+        if self._notices is not None:
+            await self._notices.aclose()
         if self._lean is not None:
             await self._lean.aclose()
         if self._owned:

@@ -1,0 +1,86 @@
+"""One subscription per `RedisBackend` to its channel, for repeats held in this process on a claim
+held in another: the scripts that end a watched claim publish its key there.
+
+Opened on the first `watch`, re-opened after a dropped connection (held repeats then fall back on
+their one-second check). A role refused the channel (ACL `NOPERM`) turns notices off for good:
+repeats poll, as on a cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from redis import exceptions as redis_errors
+
+logger = logging.getLogger("idem_asgi")
+
+
+class Notices:
+    def __init__(self, client: Any, channel: bytes) -> None:
+        self._client = client
+        self._channel = channel
+        self._listeners: list[Callable[[str], None]] = []
+        self._task: asyncio.Task[None] | None = None
+        self._ready: asyncio.Event | None = None
+        self._refused = False
+
+    async def listen(self, on_change: Callable[[str], None], timeout: float) -> bool:
+        """Call `on_change(digest)` for every published end; True once subscribed (within `timeout`)."""
+        if self._refused:
+            return False
+        if on_change not in self._listeners:
+            self._listeners.append(on_change)
+        if self._task is None or self._task.done():
+            self._ready = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run(self._ready))
+        assert self._ready is not None
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+        except TimeoutError:
+            return False
+        return not self._refused
+
+    async def _run(self, ready: asyncio.Event) -> None:
+        delay = 0.1
+        while True:
+            pubsub = self._client.pubsub()
+            try:
+                await pubsub.subscribe(self._channel)
+                ready.set()
+                delay = 0.1
+                while True:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    if message is not None and message.get("type") == "message":
+                        self._tell(message["data"])
+            except redis_errors.NoPermissionError:
+                logger.warning("idem_asgi: redis refuses the channel %r; held repeats poll instead", self._channel)
+                self._refused = True
+                ready.set()
+                return
+            except (redis_errors.RedisError, OSError) as exc:
+                ready.clear()
+                logger.info("idem_asgi: redis notices interrupted (%r); resubscribing", exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+
+    def _tell(self, name: bytes) -> None:
+        digest = name[-65:-1].decode("ascii", "replace")  # the key is `{prefix}{<digest>}`
+        for listener in self._listeners:
+            try:
+                listener(digest)
+            except Exception:  # pragma: no cover - the middleware's listener does not raise
+                logger.exception("idem_asgi: a notice listener failed")
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
