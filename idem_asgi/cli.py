@@ -55,7 +55,7 @@ def _common(parser: argparse.ArgumentParser, *, top: bool) -> None:
         "--backend",
         metavar="URL",
         default=default(None),
-        help=f"memory://, redis://, rediss://, unix:// or postgresql:// (default: ${ENV_URL})",
+        help=f"memory://, redis://, rediss://, redis+sentinel://, unix:// or postgresql:// (default: ${ENV_URL})",
     )
     parser.add_argument("--json", action="store_true", default=default(False), help="print one JSON document")
     parser.add_argument("--prefix", default=default("idem:"), help="Redis key prefix (default: idem:)")

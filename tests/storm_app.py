@@ -7,6 +7,7 @@ Configured by environment variables (set by tests/test_multiprocess_storm.py):
 - `IDEM_STORM_NAMESPACE`: the middleware namespace (and Redis key prefix), unique per run.
 - `IDEM_STORM_COUNTER_URL`: the Redis that counts executions (the ground truth across processes).
 - `IDEM_STORM_COUNTER`: prefix of the per-key counters (`INCR <prefix><key>`).
+- `IDEM_STORM_DURABLE`: Redis `durable_replicas` (default 0).
 
 The handler counts, sleeps 20 ms, and answers 201 with a fresh uuid, so a second execution or a
 replay that is not byte for byte the first answer shows up at once.
@@ -43,7 +44,10 @@ def make_backend() -> Backend:
         return PostgresBackend.from_dsn(BACKEND_URL, table="idem_storm_records", min_size=1, max_size=10)
     from idem_asgi.backends.redis import RedisBackend
 
-    return RedisBackend.from_url(BACKEND_URL, prefix=f"idem-storm:{NAMESPACE}:", max_connections=64)
+    durable = int(os.environ.get("IDEM_STORM_DURABLE", "0"))  # replicas that must confirm claims
+    return RedisBackend.from_url(
+        BACKEND_URL, prefix=f"idem-storm:{NAMESPACE}:", max_connections=64, durable_replicas=durable
+    )
 
 
 class Handler:

@@ -19,7 +19,7 @@ from idem_asgi.backends import Backend
 from idem_asgi.backends._protocol import Maintenance
 from idem_asgi.backends.redis import RedisBackend
 from idem_asgi.records import COMPLETED, IN_PROGRESS, Claimed, Existing, RecordKey, StaleRecord, StoredResponse
-from tests.support.servers import REDIS_URL, redis_cluster, require
+from tests.support.servers import REDIS_URL, redis_cluster, redis_sentinel, require
 from tests.support.stores import BACKENDS, make_backend
 
 DAY = 86_400.0
@@ -28,6 +28,8 @@ STORES = [
     pytest.param("redis-client", marks=pytest.mark.redis),
     pytest.param("redis-py", marks=pytest.mark.redis),
     pytest.param("redis-cluster", marks=pytest.mark.redis),
+    pytest.param("redis-sentinel", marks=pytest.mark.redis),  # durable claims, through Sentinel (redis-py)
+    pytest.param("redis-durable", marks=pytest.mark.redis),  # durable claims, lean pool on the primary
 ]
 
 
@@ -36,6 +38,14 @@ def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A three-primary Redis Cluster for this module (its own redis-server processes)."""
     with redis_cluster(tmp_path_factory.mktemp("contract-cluster")) as nodes:
         yield nodes[0].url
+
+
+@pytest.fixture(scope="module")
+def sentinel_topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """(redis+sentinel:// URL, the primary's redis:// URL) of a primary with two replicas and
+    three sentinels for this module."""
+    with redis_sentinel(tmp_path_factory.mktemp("contract-sentinel")) as (primary, _, sentinels):
+        yield "redis+sentinel://" + ",".join(s.address for s in sentinels) + "/mymaster/0", primary.url
 
 
 @pytest.fixture(params=STORES)
@@ -53,6 +63,12 @@ async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
         store: Backend = redis_store
     elif request.param == "redis-cluster":
         store = RedisBackend.from_url(request.getfixturevalue("cluster_url"), cluster=True, prefix=prefix)
+    elif request.param in ("redis-sentinel", "redis-durable"):
+        sentinel_url, primary_url = request.getfixturevalue("sentinel_topology")
+        url = sentinel_url if request.param == "redis-sentinel" else primary_url
+        redis_store = RedisBackend.from_url(url, prefix=prefix, durable_replicas=2)
+        assert (redis_store._lean is None) == (request.param == "redis-sentinel")
+        store = redis_store
     else:
         store = await make_backend(request.param, prefix=prefix)
     try:

@@ -35,6 +35,7 @@ SCHEMES: Final[dict[str, tuple[str, str]]] = {
     "memory": ("memory", "MemoryBackend"),
     "redis": ("redis", "RedisBackend"),
     "rediss": ("redis", "RedisBackend"),
+    "redis+sentinel": ("redis", "RedisBackend"),
     "unix": ("redis", "RedisBackend"),
     "postgres": ("postgres", "PostgresBackend"),
     "postgresql": ("postgres", "PostgresBackend"),
@@ -56,14 +57,14 @@ def backend_class(url: str) -> Any:
     if found is None:
         shown = repr(scheme.lower()) if sep and scheme else "none"
         raise ConfigurationError(
-            f"unknown backend URL scheme {shown}; use memory://, redis://, rediss://, unix:// or postgresql://"
+            f"unknown backend URL scheme {shown}; use memory://, redis://, rediss://, redis+sentinel://, unix:// or postgresql://"
         )
     module, name = found
     return getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
 
 def backend_from_url(url: str, **options: Any) -> Backend:
-    """Build a store from `memory://`, `redis://`, `rediss://`, `unix://` or `postgresql://` URLs.
+    """Build a store from `memory://`, `redis://`, `rediss://`, `redis+sentinel://`, `unix://` or `postgresql://` URLs.
 
     `options` go to the class's `from_url` (`RedisBackend.from_url`, `PostgresBackend.from_dsn`,
     `MemoryBackend(...)`).

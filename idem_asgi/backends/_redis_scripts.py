@@ -70,7 +70,9 @@ COMPLETE: Final = (
     + """
 local cur = redis.call('HMGET', KEYS[1], 's', 't')
 if cur[2] ~= ARGV[1] then return 0 end
-if cur[1] == 'c' then return 1 end
+-- Completed already (a retried write): write the state again, so a WAIT behind this call
+-- covers the record (durable claims).
+if cur[1] == 'c' then redis.call('HSET', KEYS[1], 's', 'c') return 1 end
 redis.call('HSET', KEYS[1], 's', 'c', 'r', ARGV[2], 'l', now, 'e', now + ARGV[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 """

@@ -77,6 +77,20 @@ class _Protocol(asyncio.Protocol):
             self.timer = self.loop.call_at(deadline, self._watchdog)
         return fut
 
+    def send_many(self, packed: bytes, count: int) -> list[asyncio.Future[Any]]:
+        """`count` commands packed together, written at once: one future per reply, in order."""
+        futures = [self.loop.create_future() for _ in range(count)]
+        if self.closed:
+            for fut in futures:
+                fut.set_exception(redis_errors.ConnectionError("connection lost"))
+            return futures
+        deadline = self.loop.time() + self.timeout
+        self.pending.extend((fut, deadline) for fut in futures)
+        self.transport.write(packed)
+        if self.timer is None:
+            self.timer = self.loop.call_at(deadline, self._watchdog)
+        return futures
+
     def _watchdog(self) -> None:
         self.timer = None
         if self.closed or not self.pending:
@@ -294,6 +308,32 @@ class RespPool:
             raise
         self._release(proto)
         return reply
+
+    async def execute_many(self, *commands: tuple[Any, ...]) -> list[Any]:
+        """Send `commands` pipelined on one connection (so a `WAIT` among them covers the writes
+        before it); each reply, or the `RedisError` it was, in order. A lost connection raises."""
+        packed = b"".join(_pack(c) for c in commands)
+        proto = await self._acquire_idle()
+        try:
+            replies = await asyncio.gather(*proto.send_many(packed, len(commands)), return_exceptions=True)
+        except BaseException:  # cancelled: the replies would still come
+            proto.abort(redis_errors.ConnectionError("call cancelled"))
+            self._release(proto)
+            raise
+        self._release(proto)
+        for reply in replies:
+            if isinstance(reply, BaseException) and not isinstance(reply, redis_errors.ResponseError):
+                raise reply  # the connection failed (or timed out): nothing is known
+        return replies
+
+    async def _acquire_idle(self) -> _Protocol:
+        idle = self._idle
+        while idle:
+            proto = idle.pop()
+            if not proto.closed:
+                return proto
+            self._all.discard(proto)
+        return await self._acquire()
 
     def _release(self, proto: _Protocol | None) -> None:
         """Hand `proto` to the first waiter, or back to the idle list; None (or closed): a free slot."""

@@ -47,6 +47,7 @@ from ..records import (
 )
 from ._base import ClosingMixin, new_token
 from ._orphans import OrphanSweeper
+from ._redis_durable import run_then_wait
 from ._redis_notices import Notices
 from ._redis_scripts import ABANDON, CLAIM, COMPLETE, EXTEND, FAIL, READ, RELEASE, TAKEOVER, WATCH
 from ._redis_stale import scan_stale
@@ -111,6 +112,14 @@ class RedisBackend(ClosingMixin):
             `timeout`) instead of failing. `from_url` sets it for Redis Cluster, whose
             per-node pools raise when full instead of waiting.
         timeout: Longest wait for a `max_concurrency` slot, in seconds.
+        durable_replicas: Count a claim, a takeover and a completion only once this many
+            replicas have it (`WAIT`, pipelined behind the script on the same connection). A
+            claim the replicas do not confirm within `durable_timeout` is withdrawn and the
+            request refused with 503 before the app runs; an unconfirmed completion is written
+            again in the background (the client has its answer). 0 (the default): Redis'
+            asynchronous replication, where a failover can lose acknowledged claims. Not on a
+            cluster client.
+        durable_timeout: Seconds to wait for the replicas; default half of `timeout`.
     """
 
     def __init__(
@@ -120,6 +129,8 @@ class RedisBackend(ClosingMixin):
         prefix: str = "idem:",
         max_concurrency: int | None = None,
         timeout: float = 2.0,
+        durable_replicas: int = 0,
+        durable_timeout: float | None = None,
         _owned: bool = False,
         _lean: RespPool | None = None,
     ) -> None:
@@ -132,6 +143,21 @@ class RedisBackend(ClosingMixin):
         self.prefix = prefix
         self.timeout = timeout
         self._owned = _owned
+        durable_timeout = timeout / 2 if durable_timeout is None else durable_timeout
+        if durable_replicas < 0:
+            raise ConfigurationError(f"durable_replicas must be 0 or more, got {durable_replicas!r}")
+        if durable_replicas and not 0 < durable_timeout < timeout:
+            raise ConfigurationError(
+                f"durable_timeout must be more than 0 and less than timeout ({timeout}s), got {durable_timeout!r}"
+            )
+        if durable_replicas and hasattr(client, "nodes_manager"):
+            raise ConfigurationError(
+                "durable_replicas is not supported on a Redis Cluster client yet: WAIT cannot be sent "
+                "on the connection of the write; see docs/redis.md"
+            )
+        self.durable_replicas = durable_replicas
+        self._sentinel: Any = None  # from_url's Sentinel (redis+sentinel://), closed with the client
+        self._durable_ms = _ms(durable_timeout)
         # from_url's lean connection pool (see _resp.py) serves the hot script calls; the
         # redis-py client then only serves the tools (stale, SCAN) and connects when they run.
         if _lean is None and RespPool is not None:
@@ -163,7 +189,7 @@ class RedisBackend(ClosingMixin):
         # (redis key, token) -> [give-up time (monotonic), seen absent once]
         self._orphans = OrphanSweeper(self._abandon_claim)
 
-    SCHEMES: ClassVar[tuple[str, ...]] = ("redis", "rediss", "unix")
+    SCHEMES: ClassVar[tuple[str, ...]] = ("redis", "rediss", "unix", "redis+sentinel")
 
     @classmethod
     def from_url(
@@ -176,10 +202,14 @@ class RedisBackend(ClosingMixin):
         cluster: bool = False,
         **client_options: Any,
     ) -> RedisBackend:
-        """Build a backend that owns its client (`redis://`, `rediss://` or `unix://` URL).
+        """Build a backend that owns its client (`redis://`, `rediss://`, `unix://` or
+        `redis+sentinel://` URL).
 
         Args:
-            url: Where Redis is; with `cluster=True`, any node of the cluster.
+            url: Where Redis is; with `cluster=True`, any node of the cluster. For Sentinel,
+                `redis+sentinel://[user:password@]host:26379[,host2:26379...]/<service>[/<db>]`:
+                the primary of `<service>` is asked of the sentinels at each connect, so the
+                backend follows a failover (calls during one answer 503).
             prefix: Prepended to every key.
             max_connections: Pool size. A burst larger than the pool waits for a free
                 connection (up to `timeout`) instead of failing.
@@ -188,13 +218,15 @@ class RedisBackend(ClosingMixin):
                 server at once (one immediate retry on a fresh connection covers stale
                 pooled connections after a restart).
             cluster: Use `redis.asyncio.RedisCluster` (keys hash by their `{digest}` tag).
-            client_options: Passed to redis-py (`ssl_ca_certs`, `username`, `password`, ...).
+            client_options: Passed to redis-py (`ssl_ca_certs`, `username`, `password`, ...),
+                and `durable_replicas` / `durable_timeout` to the backend (see the class).
 
         For a `redis://` or `unix://` URL without cluster and with no client option beyond
         `username`, `password` and `db`, the script calls go through a lean connection pool
         (`_resp.RespPool`, hiredis; same size, timeout and one-retry rules) that costs a fraction
         of redis-py's CPU per call; the redis-py client then serves only the ops tools.
         """
+        durable = {k: client_options.pop(k) for k in ("durable_replicas", "durable_timeout") if k in client_options}
         options: dict[str, Any] = {
             "socket_timeout": timeout,
             "socket_connect_timeout": timeout,
@@ -207,9 +239,18 @@ class RedisBackend(ClosingMixin):
             **client_options,
         }
         client: Any
+        if url.lower().startswith("redis+sentinel://"):
+            from ._redis_sentinel import sentinel_client
+
+            client, sentinel = sentinel_client(url, max_connections=max_connections, **options)
+            backend = cls(
+                client, prefix=prefix, max_concurrency=max_connections, timeout=timeout, _owned=True, **durable
+            )
+            backend._sentinel = sentinel
+            return backend
         if cluster:
             client = aioredis.RedisCluster.from_url(url, max_connections=max_connections, **options)
-            return cls(client, prefix=prefix, max_concurrency=max_connections, timeout=timeout, _owned=True)
+            return cls(client, prefix=prefix, max_concurrency=max_connections, timeout=timeout, _owned=True, **durable)
         pool = aioredis.BlockingConnectionPool.from_url(
             url, max_connections=max_connections, timeout=timeout, **options
         )
@@ -217,7 +258,7 @@ class RedisBackend(ClosingMixin):
         lean = None
         if RespPool is not None:
             lean = RespPool.from_url(url, timeout=timeout, max_connections=max_connections, options=client_options)
-        return cls(client, prefix=prefix, timeout=timeout, _owned=True, _lean=lean)
+        return cls(client, prefix=prefix, timeout=timeout, _owned=True, _lean=lean, **durable)
 
     def _key(self, key: RecordKey) -> str:
         return f"{self.prefix}{{{key.digest}}}"
@@ -267,15 +308,52 @@ class RedisBackend(ClosingMixin):
     async def claim(self, key: RecordKey, fingerprint: bytes, *, lease: float, ttl: float) -> ClaimResult:
         token = new_token()
         name = self._key(key)
+        args = (fingerprint, token, _ms(lease), _ms(ttl), *_names(key))
         try:
-            reply = await self._call(self._claim, name, fingerprint, token, _ms(lease), _ms(ttl), *_names(key))
+            if self.durable_replicas:
+                reply, acked = await self._call_durable(self._claim, name, *args)
+            else:
+                reply, acked = await self._call(self._claim, name, *args), 0
         except BaseException:
             # No answer, so the caller will not run the app; the claim may still land.
             self._orphans.add((name, token), ttl)
             raise
         if reply[0] == 1:
+            if acked < self.durable_replicas:
+                await self._withdraw(name, token, ttl, acked)
             return Claimed(token)
         return Existing(_record(reply), reply[1] / 1000)
+
+    async def _call_durable(self, script: Any, name: str, *args: Any) -> tuple[Any, int]:
+        """`_call`, and how many replicas confirmed the write (`WAIT` behind it, same connection)."""
+        try:
+            async with self._slot():
+                try:
+                    return await run_then_wait(
+                        self.client, self._lean, script, name, args, self.durable_replicas, self._durable_ms
+                    )
+                except redis_errors.ConnectionError as exc:
+                    if self._lean is None or isinstance(exc, MISCONFIGURED):
+                        raise
+                    # Once, at once, on a fresh connection, as `_call` does (redis-py retries itself).
+                    return await run_then_wait(
+                        self.client, self._lean, script, name, args, self.durable_replicas, self._durable_ms
+                    )
+        except (*UNAVAILABLE, redis_errors.RedisError) as exc:
+            raise wrapped(exc) from exc
+
+    async def _withdraw(self, name: str, token: int, ttl: float, acked: int) -> None:
+        """A claim the replicas did not confirm: take it back (or leave it to the orphan sweep),
+        and refuse the request before the app runs."""
+        try:
+            await self._call(self._release, name, token, *self._channel)
+        except BaseException:
+            self._orphans.add((name, token), ttl)
+            raise
+        raise BackendUnavailable(
+            f"redis: {acked} of {self.durable_replicas} replicas confirmed the claim within "
+            f"{self._durable_ms} ms; withdrawn, not run"
+        )
 
     async def takeover(
         self, key: RecordKey, stale_token: int, fingerprint: bytes, *, lease: float, ttl: float
@@ -284,10 +362,20 @@ class RedisBackend(ClosingMixin):
         # (recover hook), and deleting it would let a retry run the operation again. It
         # expires into outcome-unknown, and recovery is asked again.
         token = new_token()
-        reply = await self._call(
-            self._takeover, self._key(key), stale_token, fingerprint, token, _ms(lease), _ms(ttl), *_names(key)
-        )
+        name = self._key(key)
+        args = (stale_token, fingerprint, token, _ms(lease), _ms(ttl), *_names(key))
+        if self.durable_replicas:
+            reply, acked = await self._call_durable(self._takeover, name, *args)
+        else:
+            reply, acked = await self._call(self._takeover, name, *args), 0
         if reply[0] == 1:
+            if acked < self.durable_replicas:
+                # Not withdrawn: the record it replaced is gone, and a lost takeover expires into
+                # outcome-unknown (see above). The app does not run.
+                raise BackendUnavailable(
+                    f"redis: {acked} of {self.durable_replicas} replicas confirmed the takeover within "
+                    f"{self._durable_ms} ms; not run"
+                )
             return Claimed(token)
         if reply[0] == 2:
             return None  # gone (released, completed and expired, or past its TTL): nothing to take over
@@ -295,7 +383,19 @@ class RedisBackend(ClosingMixin):
 
     async def complete(self, key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
         blob = encode_response(response)
-        return bool(await self._call(self._complete, self._key(key), token, blob, _ms(ttl), *self._channel))
+        args = (token, blob, _ms(ttl), *self._channel)
+        if not self.durable_replicas:
+            return bool(await self._call(self._complete, self._key(key), *args))
+        stored, acked = await self._call_durable(self._complete, self._key(key), *args)
+        if stored and acked < self.durable_replicas:
+            # Written on the primary only: raise, so the middleware writes it again in the
+            # background until the replicas confirm it (the script rewrites a completed record
+            # of the same token, so each WAIT covers it).
+            raise BackendUnavailable(
+                f"redis: {acked} of {self.durable_replicas} replicas confirmed the completion within "
+                f"{self._durable_ms} ms"
+            )
+        return bool(stored)
 
     async def release(self, key: RecordKey, token: int) -> bool:
         return bool(await self._call(self._release, self._key(key), token, *self._channel))
@@ -393,6 +493,9 @@ class RedisBackend(ClosingMixin):
             await self._lean.aclose()
         if self._owned:
             await self.client.aclose()
+        if self._sentinel is not None:
+            for sentinel in self._sentinel.sentinels:
+                await sentinel.aclose()
 
 
 def _decodes(client: Any) -> bool:

@@ -2,8 +2,9 @@
 
 - The shared Redis and Postgres (`REDIS_URL`, `POSTGRES_DSN`), and how a test gets them or skips
   (fails under CI=true): `require`, `missing`.
-- Throwaway `redis-server`s (`RedisProcess`, `redis_process`) and a three-primary Redis Cluster
-  (`redis_cluster`), killed (process group, SIGKILL) on exit even when the test fails.
+- Throwaway `redis-server`s (`RedisProcess`, `redis_process`), a three-primary Redis Cluster
+  (`redis_cluster`) and a Sentinel-watched primary with replicas (`redis_sentinel`), killed
+  (process group, SIGKILL) on exit even when the test fails.
 - A throwaway PostgreSQL cluster (`PostgresCluster`, `postgres_cluster`): initdb, start, restart,
   freeze, stop, remove.
 - uvicorn: in a subprocess of its own process group (`UvicornProcess`), or in this event loop
@@ -138,6 +139,8 @@ class RedisProcess:
             "no",
             "--enable-debug-command",
             "local",
+            "--repl-diskless-sync-delay",  # a replica syncs at once, not after 5 s
+            "0",
             "--daemonize",
             "no",
             "--dir",
@@ -235,6 +238,95 @@ def redis_cluster(base: Path) -> Iterator[list[RedisProcess]]:
                 pytest.fail(f"cluster did not reach cluster_state:ok: {infos}")
             time.sleep(0.1)
         yield nodes
+
+
+class SentinelProcess(RedisProcess):
+    """One `redis-server <conf> --sentinel` watching `service` on `primary` (quorum 2, down after 1 s)."""
+
+    def __init__(self, workdir: Path, *, primary: int, service: str = "mymaster") -> None:
+        super().__init__(workdir)
+        self.primary = primary
+        self.service = service
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        conf = self.workdir / "sentinel.conf"
+        conf.write_text(
+            f"port {self.port}\nbind 127.0.0.1\ndaemonize no\ndir {self.workdir}\n"
+            f"sentinel monitor {self.service} 127.0.0.1 {self.primary} 2\n"
+            f"sentinel down-after-milliseconds {self.service} 1000\n"
+            f"sentinel failover-timeout {self.service} 5000\n"
+            f"sentinel parallel-syncs {self.service} 2\n"
+        )
+        with (self.workdir / "server.log").open("ab") as log:
+            self.proc = subprocess.Popen(
+                ["redis-server", str(conf), "--sentinel"],
+                cwd=self.workdir,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout
+        while not ping(port=self.port):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"sentinel did not start: {self.log_tail()}")
+            time.sleep(0.02)
+
+
+def replicas_confirm(primary: RedisProcess, replicas: int) -> bool:
+    """A write on `primary` reaches `replicas` replicas (WAIT): the stream flows. Just after a
+    replica synced, the primary holds the stream back until the replica's first ACK (up to 1 s)."""
+    import redis
+
+    client = redis.Redis(port=primary.port, socket_timeout=2)
+    try:
+        client.set("replication-probe", time.monotonic())
+        return int(client.execute_command("WAIT", replicas, 100)) == replicas  # type: ignore[no-untyped-call]
+    finally:
+        client.close()
+
+
+@contextlib.contextmanager
+def redis_sentinel(
+    base: Path, *, replicas: int = 2
+) -> Iterator[tuple[RedisProcess, list[RedisProcess], list[SentinelProcess]]]:
+    """A primary, `replicas` replicas in sync and three sentinels that agree on it (quorum 2),
+    as (primary, replicas, sentinels) under `base`; all killed on exit. The service is `mymaster`."""
+    need_redis_server()
+    with ExitStack() as stack:
+        primary = stack.enter_context(redis_process(base / "primary"))
+        followers = [
+            stack.enter_context(
+                redis_process(base / f"replica{i}", args=["--replicaof", "127.0.0.1", str(primary.port)])
+            )
+            for i in range(replicas)
+        ]
+        sentinels = [SentinelProcess(base / f"sentinel{i}", primary=primary.port) for i in range(3)]
+        for sentinel in sentinels:
+            stack.callback(sentinel.kill)
+            sentinel.start()
+        deadline = time.monotonic() + 30
+        while True:
+            synced = all(
+                "master_link_status:up" in redis_cli("-p", str(f.port), "info", "replication") for f in followers
+            )
+            synced = synced and replicas_confirm(primary, replicas)
+            agreed = all(
+                redis_cli("-p", str(s.port), "sentinel", "ckquorum", "mymaster", timeout=5).startswith("OK")
+                and f"num-slaves\n{replicas}\n" in redis_cli("-p", str(s.port), "sentinel", "master", "mymaster")
+                for s in sentinels
+            )
+            if synced and agreed:
+                break
+            if time.monotonic() > deadline:
+                pytest.fail("sentinel topology not ready: " + " | ".join(s.log_tail()[-300:] for s in sentinels))
+            time.sleep(0.2)
+        yield primary, followers, sentinels
 
 
 # -- a throwaway PostgreSQL cluster ---------------------------------------------------------------

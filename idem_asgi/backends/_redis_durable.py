@@ -1,0 +1,58 @@
+"""Durable claims: a script call followed by `WAIT numreplicas timeout` on the same connection.
+
+Redis replicates asynchronously: a primary can acknowledge a claim and die before any replica has
+it, and the promoted replica then hands the key to a retry that runs the payment again. `WAIT`
+returns how many replicas have every write this connection made, so sending it right behind the
+script, pipelined on one connection, costs one round trip plus the replication delay, and tells
+whether the claim (or the completion) would survive a failover.
+
+Both the lean pool (`_resp`) and redis-py (a plain client or a Sentinel-managed one) pipeline the
+two commands. A Redis Cluster client cannot pin `WAIT` to the connection of the write, so durable
+claims are refused there at start-up.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redis import exceptions as redis_errors
+
+
+def _source(script: Any) -> tuple[str, bytes | str]:
+    """(sha, source) of a lean `_resp.Script` or a redis-py `Script`."""
+    return script.sha, getattr(script, "source", None) or script.script
+
+
+async def run_then_wait(
+    client: Any, lean: Any, script: Any, name: str, args: tuple[Any, ...], replicas: int, timeout_ms: int
+) -> tuple[Any, int]:
+    """The script's reply and the number of replicas that confirmed it (and every earlier write
+    on that connection) within `timeout_ms`. Raises what the script raised."""
+    for attempt in (1, 2):
+        sha, source = _source(script)
+        # The first call of a script sends its source (EVAL caches it on the server): a NOSCRIPT
+        # after a WAIT would cost the replicas' timeout twice when they are down.
+        if getattr(script, "idem_sent", False):
+            evalsha: tuple[Any, ...] = ("EVALSHA", sha, 1, name, *args)
+        else:
+            evalsha = ("EVAL", source, 1, name, *args)
+        wait = ("WAIT", replicas, timeout_ms)
+        if lean is not None:
+            reply, acked = await lean.execute_many(evalsha, wait)
+        else:
+            pipe = client.pipeline(transaction=False)
+            pipe.execute_command(*evalsha)
+            pipe.execute_command(*wait)
+            reply, acked = await pipe.execute(raise_on_error=False)
+        if isinstance(reply, redis_errors.NoScriptError) and attempt == 1:
+            loaded = await (lean.execute("SCRIPT", "LOAD", source) if lean is not None else client.script_load(source))
+            script.sha = loaded.decode("ascii") if isinstance(loaded, bytes) else loaded
+            continue
+        if not isinstance(reply, redis_errors.NoScriptError):
+            script.idem_sent = True
+        if isinstance(reply, BaseException):
+            raise reply
+        if isinstance(acked, BaseException):
+            raise acked
+        return reply, int(acked)
+    raise AssertionError("unreachable")  # pragma: no cover

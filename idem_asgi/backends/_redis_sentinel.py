@@ -1,0 +1,56 @@
+"""`redis+sentinel://` URLs: a redis-py client whose connections ask the sentinels for the primary.
+
+    redis+sentinel://[user:password@]host:26379[,host2:26379,...]/<service>[/<db>]
+
+User and password are the Redis servers' (the sentinels are asked without them unless
+`sentinel_kwargs=` says otherwise). Every new connection asks the sentinels for the current
+primary, and a connection to a primary demoted to a replica is dropped on its first `READONLY`
+answer, so the client follows a failover; calls made while no primary answers fail (the backend
+answers 503). The pool is redis-py's `SentinelConnectionPool`, which raises when full, so the
+backend bounds its own concurrency instead (`max_concurrency`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from ..errors import ConfigurationError
+
+
+def parse(url: str) -> tuple[list[tuple[str, int]], str, int, dict[str, Any]]:
+    """(sentinel addresses, service name, database, credentials) of a `redis+sentinel://` URL."""
+    parts = urlsplit(url)
+    hosts: list[tuple[str, int]] = []
+    for item in parts.netloc.rpartition("@")[2].split(","):
+        host, sep, port = item.strip().rpartition(":")
+        if not sep:
+            host, port = port, "26379"
+        if not host or not port.isdigit():
+            raise ConfigurationError(f"redis+sentinel URL: bad sentinel address {item!r} (host:port)")
+        hosts.append((host.strip("[]"), int(port)))
+    path = [p for p in parts.path.split("/") if p]
+    if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+        raise ConfigurationError(
+            "redis+sentinel URL needs the service name and optionally a database: "
+            "redis+sentinel://host:26379,host2:26379/mymaster/0"
+        )
+    credentials: dict[str, Any] = {}
+    if parts.username:
+        credentials["username"] = unquote(parts.username)
+    if parts.password:
+        credentials["password"] = unquote(parts.password)
+    return hosts, unquote(path[0]), int(path[1]) if len(path) == 2 else 0, credentials
+
+
+def sentinel_client(url: str, *, max_connections: int, **options: Any) -> tuple[Any, Any]:
+    """(client of the service's primary, the `Sentinel` it asks): both closed by the backend."""
+    from redis.asyncio.sentinel import Sentinel
+
+    hosts, service, db, credentials = parse(url)
+    sentinel_kwargs = options.pop("sentinel_kwargs", None)
+    if sentinel_kwargs is None:
+        sentinel_kwargs = {k: v for k, v in options.items() if k.startswith("socket_")}
+    sentinel = Sentinel(hosts, sentinel_kwargs=sentinel_kwargs, **options)  # type: ignore[no-untyped-call]
+    client = sentinel.master_for(service, db=db, max_connections=max_connections, **credentials)
+    return client, sentinel
