@@ -1,6 +1,7 @@
 """One command for every benchmark: `python -m benchmarks.run_all` (a few minutes, local Redis and Postgres).
 
-Runs round trips, overhead (quick), the scale curve, retry storms with the strawman (quick) and the
+Runs round trips, overhead (quick), the scale curve, retry storms with the strawman (quick), held
+repeats (`wait=2`) against 409 at 2 workers, durable claims, bytes per request and record, and the
 large Postgres table (100,000 rows unless `--rows`), writes every table to
 `benchmarks/out/report.md` and draws the scale curve to `docs/benchmarks.png` (matplotlib, the
 `bench` extra). Each benchmark also runs alone; see benchmarks/README.md.
@@ -66,6 +67,20 @@ def main(argv: list[str] | None = None) -> int:
         run("Store round trips", ["benchmarks.bench_roundtrips"]),
         run("Overhead", ["benchmarks.bench_overhead", "--quick"]),
         run("Retry storms vs strawman", ["benchmarks.bench_storm", "--quick"]),
+        run(
+            "Held repeats (wait=2) vs 409",
+            [
+                "benchmarks.bench_storm",
+                "--backends",
+                "redis,postgres",
+                "--workers",
+                "2",
+                "--middlewares",
+                "ours,ours-wait",
+            ],
+        ),
+        run("Durable claims", ["benchmarks.bench_durable", "--n", "300", "--blocks", "2"]),
+        run("Bytes per request and per record", ["benchmarks.bench_footprint"]),
         run("Large Postgres table", ["benchmarks.bench_postgres_table", "--rows", str(args.rows)]),
     ]
     print("== Scale curve: python -m benchmarks.bench_scale --json", flush=True)

@@ -30,6 +30,7 @@ STORES = [
     pytest.param("redis-cluster", marks=pytest.mark.redis),
     pytest.param("redis-sentinel", marks=pytest.mark.redis),  # durable claims, through Sentinel (redis-py)
     pytest.param("redis-durable", marks=pytest.mark.redis),  # durable claims, lean pool on the primary
+    pytest.param("redis-cluster-durable", marks=pytest.mark.redis),  # durable claims per shard
 ]
 
 
@@ -37,6 +38,13 @@ STORES = [
 def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A three-primary Redis Cluster for this module (its own redis-server processes)."""
     with redis_cluster(tmp_path_factory.mktemp("contract-cluster")) as nodes:
+        yield nodes[0].url
+
+
+@pytest.fixture(scope="module")
+def replicated_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Redis Cluster of three primaries with one replica each, for this module."""
+    with redis_cluster(tmp_path_factory.mktemp("contract-cluster-replicas"), replicas=1) as nodes:
         yield nodes[0].url
 
 
@@ -63,6 +71,9 @@ async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
         store: Backend = redis_store
     elif request.param == "redis-cluster":
         store = RedisBackend.from_url(request.getfixturevalue("cluster_url"), cluster=True, prefix=prefix)
+    elif request.param == "redis-cluster-durable":
+        url = request.getfixturevalue("replicated_cluster_url")
+        store = RedisBackend.from_url(url, cluster=True, prefix=prefix, durable_replicas=1)
     elif request.param in ("redis-sentinel", "redis-durable"):
         sentinel_url, primary_url = request.getfixturevalue("sentinel_topology")
         url = sentinel_url if request.param == "redis-sentinel" else primary_url

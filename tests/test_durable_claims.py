@@ -28,7 +28,7 @@ from idem_asgi.records import Claimed, RecordKey, StoredResponse
 from tests.support.asgi import drive, http_scope
 from tests.support.faultproxy import StoreProxy
 from tests.support.problems import assert_problem
-from tests.support.servers import RedisProcess, redis_process, replicas_confirm
+from tests.support.servers import RedisProcess, redis_cluster, redis_process, replicas_confirm
 
 pytestmark = pytest.mark.redis
 
@@ -208,10 +208,30 @@ async def test_the_middleware_answers_503_before_the_app_runs(pair: tuple[RedisP
     assert runs == 0
 
 
-def test_durable_claims_are_refused_on_a_cluster_client_and_with_a_bad_timeout() -> None:
-    cluster = aioredis.RedisCluster(host="127.0.0.1", port=7000)
-    with pytest.raises(ConfigurationError, match="Cluster"):
-        RedisBackend(cluster, durable_replicas=1)
+async def test_on_a_cluster_each_shard_s_replica_confirms_its_claims(tmp_path: Path) -> None:
+    """Durable claims per shard: with every replica stopped no claim counts (503, withdrawn); with
+    them running, claims on all three shards are confirmed."""
+    with redis_cluster(tmp_path / "cluster", replicas=1) as nodes:
+        store = RedisBackend.from_url(nodes[0].url, cluster=True, prefix="idem-cd:", durable_replicas=1, timeout=1.0)
+        try:
+            keys = [key() for _ in range(12)]  # spread over the three shards
+            for replica in nodes[3:]:
+                replica.signal(signal.SIGSTOP)
+            try:
+                with pytest.raises(BackendUnavailable, match="0 of 1 replicas confirmed the claim"):
+                    await store.claim(keys[0], b"f", lease=10, ttl=60)
+            finally:
+                for replica in nodes[3:]:
+                    replica.signal(signal.SIGCONT)
+            results = [await store.claim(k, b"f", lease=10, ttl=60) for k in keys]
+            assert all(isinstance(r, Claimed) for r in results)
+            primaries = {store.client.get_node_from_key(store._key(k)).port for k in keys}
+            assert len(primaries) == 3, "the keys covered every shard"
+        finally:
+            await store.aclose()
+
+
+def test_durable_claims_refuse_a_bad_timeout() -> None:
     plain = aioredis.Redis()
     with pytest.raises(ConfigurationError, match="durable_timeout"):
         RedisBackend(plain, durable_replicas=1, timeout=1.0, durable_timeout=1.0)

@@ -33,6 +33,8 @@ _UNAVAILABLE: Final = (
     asyncpg.PostgresConnectionError,
     asyncpg.exceptions.OperatorInterventionError,  # admin/crash shutdown, cannot connect now, query canceled
     asyncpg.exceptions.InsufficientResourcesError,  # too many connections, disk full
+    # target_session_attrs=read-write and no host is a primary yet (a failover in progress)
+    asyncpg.exceptions.TargetServerAttributeNotMatched,
 )
 
 

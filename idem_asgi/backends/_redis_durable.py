@@ -6,13 +6,15 @@ returns how many replicas have every write this connection made, so sending it r
 script, pipelined on one connection, costs one round trip plus the replication delay, and tells
 whether the claim (or the completion) would survive a failover.
 
-Both the lean pool (`_resp`) and redis-py (a plain client or a Sentinel-managed one) pipeline the
-two commands. A Redis Cluster client cannot pin `WAIT` to the connection of the write, so durable
-claims are refused there at start-up.
+The lean pool (`_resp`) and redis-py (a plain client or a Sentinel-managed one) pipeline the two
+commands. On a Redis Cluster client both go on one connection of the key's primary (its shard's
+replicas confirm it); a `MOVED` answer (slots moved, or a failover) refreshes the slot map and the
+call is made once more on the new owner.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from redis import exceptions as redis_errors
@@ -39,6 +41,8 @@ async def run_then_wait(
         wait = ("WAIT", replicas, timeout_ms)
         if lean is not None:
             reply, acked = await lean.execute_many(evalsha, wait)
+        elif hasattr(client, "nodes_manager"):
+            reply, acked = await _on_shard(client, name, evalsha, wait)
         else:
             pipe = client.pipeline(transaction=False)
             pipe.execute_command(*evalsha)
@@ -56,3 +60,32 @@ async def run_then_wait(
             raise acked
         return reply, int(acked)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def _on_shard(cluster: Any, name: str, *commands: tuple[Any, ...]) -> list[Any]:
+    """`commands` pipelined on one connection of `name`'s primary; each reply or its error."""
+    for attempt in (1, 2):
+        node = cluster.get_node_from_key(name)
+        connection = node.acquire_connection()
+        try:
+            await connection.send_packed_command(connection.pack_commands(commands))
+            replies: list[Any] = []
+            for _ in commands:
+                try:
+                    replies.append(await connection.read_response())
+                except redis_errors.ResponseError as exc:
+                    replies.append(exc)
+        except BaseException as exc:
+            await connection.disconnect()
+            if isinstance(exc, redis_errors.ConnectionError | redis_errors.TimeoutError | OSError):
+                # The primary may be gone (a failover): learn the new slot map for the next call.
+                with contextlib.suppress(redis_errors.RedisError, OSError):
+                    await cluster.nodes_manager.initialize()
+            raise
+        finally:
+            node.release(connection)
+        if attempt == 1 and isinstance(replies[0], redis_errors.MovedError | redis_errors.AskError):
+            await cluster.nodes_manager.initialize()  # the slot moved (resharding, failover)
+            continue
+        return replies
+    return replies

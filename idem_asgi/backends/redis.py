@@ -117,8 +117,8 @@ class RedisBackend(ClosingMixin):
             claim the replicas do not confirm within `durable_timeout` is withdrawn and the
             request refused with 503 before the app runs; an unconfirmed completion is written
             again in the background (the client has its answer). 0 (the default): Redis'
-            asynchronous replication, where a failover can lose acknowledged claims. Not on a
-            cluster client.
+            asynchronous replication, where a failover can lose acknowledged claims. On a
+            cluster, N replicas of the record's shard.
         durable_timeout: Seconds to wait for the replicas; default half of `timeout`.
     """
 
@@ -149,11 +149,6 @@ class RedisBackend(ClosingMixin):
         if durable_replicas and not 0 < durable_timeout < timeout:
             raise ConfigurationError(
                 f"durable_timeout must be more than 0 and less than timeout ({timeout}s), got {durable_timeout!r}"
-            )
-        if durable_replicas and hasattr(client, "nodes_manager"):
-            raise ConfigurationError(
-                "durable_replicas is not supported on a Redis Cluster client yet: WAIT cannot be sent "
-                "on the connection of the write; see docs/redis.md"
             )
         self.durable_replicas = durable_replicas
         self._sentinel: Any = None  # from_url's Sentinel (redis+sentinel://), closed with the client
@@ -327,6 +322,8 @@ class RedisBackend(ClosingMixin):
     async def _call_durable(self, script: Any, name: str, *args: Any) -> tuple[Any, int]:
         """`_call`, and how many replicas confirmed the write (`WAIT` behind it, same connection)."""
         try:
+            if self._starting:
+                await self._start()
             async with self._slot():
                 try:
                     return await run_then_wait(

@@ -216,23 +216,26 @@ def redis_cli(*args: str, timeout: float = 30) -> str:
 
 
 @contextlib.contextmanager
-def redis_cluster(base: Path) -> Iterator[list[RedisProcess]]:
-    """Three primaries, no replicas, all slots assigned, under `base`; killed on exit."""
+def redis_cluster(base: Path, *, replicas: int = 0) -> Iterator[list[RedisProcess]]:
+    """Three primaries (and `replicas` replicas each, in sync), all slots assigned, under `base`;
+    killed on exit. The first three nodes are the primaries."""
     need_redis_server()
     if shutil.which("redis-cli") is None:
         pytest.skip("redis-cli not on PATH")
     with ExitStack() as stack:
         nodes = []
-        for i in range(3):
+        for i in range(3 * (1 + replicas)):
             workdir = base / f"node{i}"
             args = ["--cluster-enabled", "yes", "--cluster-config-file", str(workdir / "nodes.conf")]
             nodes.append(stack.enter_context(redis_process(workdir, port=cluster_port(), args=args)))
         addresses = [f"127.0.0.1:{n.port}" for n in nodes]
-        redis_cli("--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes")
+        redis_cli("--cluster", "create", *addresses, "--cluster-replicas", str(replicas), "--cluster-yes")
         deadline = time.monotonic() + 20
         while True:
             infos = [redis_cli("-p", str(n.port), "cluster", "info", timeout=5) for n in nodes]
-            if all("cluster_state:ok" in info for info in infos):
+            if all("cluster_state:ok" in info for info in infos) and all(
+                replicas_confirm(n, replicas) for n in nodes[:3]
+            ):
                 break
             if time.monotonic() > deadline:
                 pytest.fail(f"cluster did not reach cluster_state:ok: {infos}")
@@ -285,7 +288,12 @@ def replicas_confirm(primary: RedisProcess, replicas: int) -> bool:
 
     client = redis.Redis(port=primary.port, socket_timeout=2)
     try:
-        client.set("replication-probe", time.monotonic())
+        for i in range(100):  # a cluster node takes only keys of its own slots: find one
+            try:
+                client.set(f"replication-probe-{i}", time.monotonic())
+                break
+            except redis.exceptions.MovedError:
+                continue
         return int(client.execute_command("WAIT", replicas, 100)) == replicas  # type: ignore[no-untyped-call]
     finally:
         client.close()
@@ -343,13 +351,14 @@ PG_BIN = Path(os.environ.get("IDEM_PG_BIN", "/usr/lib/postgresql/15/bin"))
 class PostgresCluster:
     """One throwaway cluster; every command runs as the `postgres` user with a bounded timeout."""
 
-    def __init__(self, base: Path, port: int) -> None:
+    def __init__(self, base: Path, port: int, *, options: str = "") -> None:
         self.base = base
         self.data = base / "data"
         self.sock = base / "sock"
         self.log = base / "server.log"
         self.port = port
         self.dsn = f"postgresql://postgres@127.0.0.1:{port}/postgres"
+        self.options = options  # more `-c name=value` for the server
 
     def _pg(self, *args: str, timeout: float = 60) -> None:
         subprocess.run(
@@ -366,7 +375,8 @@ class PostgresCluster:
         )
 
     def _options(self) -> str:
-        return f"-p {self.port} -k {self.sock} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=60"
+        common = f"-p {self.port} -k {self.sock} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=60"
+        return f"{common} {self.options}".strip()
 
     def _ctl(self, *args: str) -> None:
         self._pg(str(PG_BIN / "pg_ctl"), *args, "-w", "-t", "30", "-D", str(self.data))
@@ -396,6 +406,12 @@ class PostgresCluster:
                     if int(stat.rpartition(")")[2].split()[1]) == postmaster:
                         pids.append(int(entry.name))
         return pids
+
+    def kill(self) -> None:
+        """SIGKILL the postmaster (a crashed host): its backends exit on their own."""
+        for pid in self.pids()[:1]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def freeze(self) -> None:
         """SIGSTOP every server process: connections stay open, nothing answers (a hung host)."""
@@ -436,6 +452,65 @@ def postgres_cluster() -> Iterator[PostgresCluster]:
                     os.kill(pid, signal.SIGKILL)
         finally:
             shutil.rmtree(base, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def postgres_standby_pair(*, synchronous: bool = True) -> Iterator[tuple[PostgresCluster, PostgresCluster]]:
+    """A primary and a streaming standby. `synchronous`: the primary commits synchronously to it
+    (`synchronous_standby_names`, `synchronous_commit=on`), so every commit it acknowledges is on
+    the standby; else replication is asynchronous. Yields (primary, standby); both stopped and
+    deleted afterwards."""
+    if not (PG_BIN / "initdb").exists():
+        missing(f"throwaway postgres cluster: no initdb under {PG_BIN}")
+    if os.geteuid() != 0 or shutil.which("runuser") is None:
+        missing("throwaway postgres cluster: needs root and runuser to run the server as the postgres user")
+    base = Path(tempfile.mkdtemp(prefix="idem-pg-pair-"))
+    sync = "-c wal_level=replica -c max_wal_senders=5"
+    if synchronous:
+        sync += " -c synchronous_standby_names=standby1 -c synchronous_commit=on"
+    primary = PostgresCluster(base / "primary", free_port(), options=sync)
+    standby = PostgresCluster(base / "standby", free_port(), options="-c hot_standby=on")
+    try:
+        shutil.chown(base, "postgres", "postgres")
+        base.chmod(0o700)
+        for cluster in (primary, standby):
+            cluster.base.mkdir()
+            cluster.sock.mkdir()
+            for path in (cluster.base, cluster.sock):
+                shutil.chown(path, "postgres", "postgres")
+        primary.init()
+        primary.start()
+        primary._pg(
+            str(PG_BIN / "pg_basebackup"), "-h", "127.0.0.1", "-p", str(primary.port), "-U", "postgres",
+            "-D", str(standby.data), "-R", "-X", "stream", "--no-sync",
+        )  # fmt: skip
+        conninfo = f"host=127.0.0.1 port={primary.port} user=postgres application_name=standby1"
+        auto = standby.data / "postgresql.auto.conf"
+        auto.write_text(auto.read_text() + f"primary_conninfo = '{conninfo}'\n")
+        standby.start()
+        deadline = time.monotonic() + 30
+        while _sync_state(primary) != ("sync" if synchronous else "async"):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the standby never became synchronous: {standby.log.read_text()[-1000:]}")
+            time.sleep(0.1)
+        yield primary, standby
+    finally:
+        for cluster in (primary, standby):
+            try:
+                cluster.thaw()
+                cluster.stop()
+            except (OSError, subprocess.SubprocessError):
+                cluster.kill()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _sync_state(primary: PostgresCluster) -> str:
+    done = subprocess.run(
+        ["psql", "-h", "127.0.0.1", "-p", str(primary.port), "-U", "postgres", "-d", "postgres", "-Atc",
+         "SELECT sync_state FROM pg_stat_replication WHERE application_name = 'standby1'"],
+        capture_output=True, timeout=10,
+    )  # fmt: skip
+    return done.stdout.decode().strip()
 
 
 # -- uvicorn ----------------------------------------------------------------------------------------
