@@ -11,7 +11,9 @@ effect, or for `PostgresBackend.transaction()` to find the claim).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Literal
+import time
+from email.utils import formatdate
+from typing import TYPE_CHECKING, Final, Literal
 
 import anyio
 
@@ -27,7 +29,7 @@ from ._asgi import (
 from ._capture import Capture
 from ._decide import Action, decide
 from ._logging import redact, store_failed, throttled
-from ._types import Receive, Scope, Send
+from ._types import Message, Receive, Scope, Send
 from .context import STATE_KEY, IdempotencyInfo, enter, leave
 from .errors import BackendMisconfigured, StoreFull
 from .keys import route_key
@@ -126,7 +128,9 @@ class Protected:
         except Refused as refusal:
             if refusal.event is not None:
                 self.mw.emit(refusal.event, self.route, self.rkey, refusal.problem.status)
-            await problems.send_problem(self.send, refusal.problem, refusal.detail, retry_after=refusal.retry_after)
+            await problems.send_problem(
+                self.send, refusal.problem, refusal.detail, retry_after=refusal.retry_after, base=self.mw.problem_base
+            )
 
     async def _prepare(self) -> bool:
         """Read the key, the body and the scope. False when the request was passed through or ended."""
@@ -212,7 +216,7 @@ class Protected:
                     self.mw.emit("replayed", route, self.rkey)
                     if not handed.replayable:
                         raise Refused(problems.NOT_STORED, event=None)
-                    await self._replay(handed)
+                    await self._replay(handed, time.time() + route.ttl)  # completed just now
                     return
                 result = handed
             elif action is Action.EXPIRED and not recovered:
@@ -221,7 +225,7 @@ class Protected:
                 assert isinstance(result, Existing)
                 outcome = await self._recover(result.record)
                 if isinstance(outcome, StoredResponse):
-                    await self._replay(outcome)
+                    await self._replay(outcome, time.time() + route.ttl)
                     return
                 result = outcome
             else:
@@ -234,7 +238,7 @@ class Protected:
             await self._run(result.token)
         elif action is Action.REPLAY:
             assert isinstance(result, Existing) and result.record.response is not None
-            await self._replay(result.record.response)
+            await self._replay(result.record.response, result.record.expires_at)
         elif action is Action.MISMATCH:
             raise Refused(problems.FINGERPRINT_MISMATCH, event=None)
         elif action is Action.IN_PROGRESS:
@@ -360,8 +364,9 @@ class Protected:
         self.token = token
         self._active = True
         mw.leases.hold(self)
+        send = self.send if not route.advertise_expiry else _expiring(self.send, route.ttl)
         capture = Capture(
-            self.send, self.receive, self.body, self._on_final, excluded=route.excluded, limit=route.max_stored_body
+            send, self.receive, self.body, self._on_final, excluded=route.excluded, limit=route.max_stored_body
         )
         info = IdempotencyInfo(self.key, self.owner, self)
         entered = enter(info)
@@ -486,10 +491,12 @@ class Protected:
         else:
             self.mw.emit("lease_lost", route, rkey, status)
 
-    async def _replay(self, response: StoredResponse) -> None:
-        """Send the stored answer verbatim, marked as a replay."""
+    async def _replay(self, response: StoredResponse, expires_at: float) -> None:
+        """Send the stored answer verbatim, marked as a replay (and, if asked, when it expires)."""
         headers = list(response.headers)
         headers.append(self.mw.replay_header)
+        if self.route.advertise_expiry:
+            headers.append(_expires(expires_at))
         trailers = response.trailers
         trail = trailers is not None and "http.response.trailers" in (self.scope.get("extensions") or {})
         start = {"type": "http.response.start", "status": response.status, "headers": headers}
@@ -517,3 +524,21 @@ class Protected:
         if isinstance(exc, BackendMisconfigured):
             return Refused(problems.STORE_MISCONFIGURED, event=None)
         return Refused(problems.STORE_UNAVAILABLE, retry_after=self.route.retry_after, event=None)
+
+
+EXPIRES_HEADER: Final = b"idempotency-expires"
+
+
+def _expires(at: float) -> tuple[bytes, bytes]:
+    return EXPIRES_HEADER, formatdate(at, usegmt=True).encode("ascii")
+
+
+def _expiring(send: Send, ttl: float) -> Send:
+    """`send`, adding when the stored answer will expire to the answer's start (not to what is stored)."""
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), _expires(time.time() + ttl)]}
+        await send(message)
+
+    return sending

@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, Final, Literal
 
-from . import _shared
+from . import _shared, problems
 from ._admission import header_key
 from ._asgi import run_unclaimed
 from ._late_completions import LateCompletions
@@ -56,6 +56,9 @@ class IdempotencyMiddleware:
         replay_header: Header added to replays.
         observer: Called with an `Event` at each decision (`idem_asgi.observe`: counters, logs,
             Prometheus, OpenTelemetry); its exceptions are logged and ignored.
+        problem_base: URL the problem `type`s are built from (`<base><slug>`, also sent as
+            `Link: <...>; rel="describedby"`); default this project's docs/problems.md. Point it at
+            your own API docs to publish the page under your domain.
     """
 
     def __init__(
@@ -72,8 +75,10 @@ class IdempotencyMiddleware:
         recover: RecoverHook | None = None,
         replay_header: str = "Idempotent-Replayed",
         observer: Observer | None = None,
+        problem_base: str = problems.DEFAULT_PROBLEM_BASE,
     ) -> None:
         self.app = app
+        self.problem_base = problems.check_base(problem_base)
         self._observer = observer
         self.observed = observer is not None  # checked before building an event on the hot path
         self.backend: Backend = _shared.backend_for(backend, routes)

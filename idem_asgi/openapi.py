@@ -12,16 +12,25 @@ from .policy import RoutePolicy
 from .routing import Route, RouteTable
 
 _METHODS = frozenset({"get", "put", "post", "delete", "options", "head", "patch", "trace"})
-_PROBLEM_SCHEMA = {
-    "type": "object",
-    "description": "RFC 9457 problem details.",
-    "properties": {
-        "type": {"type": "string", "enum": [p.type for p in problems.ALL]},
-        "title": {"type": "string"},
-        "status": {"type": "integer"},
-        "detail": {"type": "string"},
-    },
-    "required": ["type", "title", "status"],
+
+
+def _problem_schema(base: str) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "description": "RFC 9457 problem details; `type` is a URL whose page says what happened and what to do.",
+        "properties": {
+            "type": {"type": "string", "format": "uri", "enum": [p.url(base) for p in problems.ALL]},
+            "title": {"type": "string"},
+            "status": {"type": "integer"},
+            "detail": {"type": "string"},
+        },
+        "required": ["type", "title", "status"],
+    }
+
+
+_LINK = {
+    "description": 'The problem type\'s documentation: `<type URL>; rel="describedby"`.',
+    "schema": {"type": "string"},
 }
 _ANSWERS = {
     "400": "Idempotency key (or scope) missing or malformed.",
@@ -35,10 +44,17 @@ _ANSWERS = {
 class _Settings:
     """What the installed middleware says about the routes to document."""
 
-    def __init__(self, routes: Sequence[RoutePolicy], header: str, replay_header: str) -> None:
+    def __init__(
+        self,
+        routes: Sequence[RoutePolicy],
+        header: str,
+        replay_header: str,
+        problem_base: str = problems.DEFAULT_PROBLEM_BASE,
+    ) -> None:
         self.routes = list(routes)
         self.header = header
         self.replay_header = replay_header
+        self.problem_base = problem_base
 
 
 def _installed(app: Any) -> _Settings | None:
@@ -49,6 +65,7 @@ def _installed(app: Any) -> _Settings | None:
                 kwargs.get("routes", ()),
                 kwargs.get("header", "Idempotency-Key"),
                 kwargs.get("replay_header", "Idempotent-Replayed"),
+                kwargs.get("problem_base", problems.DEFAULT_PROBLEM_BASE),
             )
     return None
 
@@ -74,6 +91,7 @@ def add_openapi(
         routes if routes is not None else found.routes if found is not None else (),
         header or (found.header if found is not None else "Idempotency-Key"),
         replay_header or (found.replay_header if found is not None else "Idempotent-Replayed"),
+        found.problem_base if found is not None else problems.DEFAULT_PROBLEM_BASE,
     )
     _install(app, settings)
 
@@ -90,7 +108,9 @@ def _install(app: Any, settings: _Settings) -> None:
             for method, operation in item.items():
                 if method in _METHODS and (route := table.match(path, method.upper())) is not None:
                     _document(operation, route, settings.replay_header)
-        schema.setdefault("components", {}).setdefault("schemas", {})["IdempotencyProblem"] = _PROBLEM_SCHEMA
+        schema.setdefault("components", {}).setdefault("schemas", {})["IdempotencyProblem"] = _problem_schema(
+            settings.problem_base
+        )
         app.openapi_schema = schema
         return schema
 
@@ -104,6 +124,7 @@ def _install(app: Any, settings: _Settings) -> None:
                 [*inner, *(own.routes if own is not None else ())],
                 own.header if own is not None else settings.header,
                 own.replay_header if own is not None else settings.replay_header,
+                own.problem_base if own is not None else settings.problem_base,
             ),
         )
 
@@ -142,14 +163,27 @@ def _document(operation: dict[str, Any], route: Route, replay_header: str) -> No
         )
     if not parameters:
         del operation["parameters"]
+    # The key expiry policy the draft asks servers to publish: how long a key's answer is replayed.
+    operation["x-idempotency"] = {"ttl_seconds": route.ttl, "required": route.required}
+    ttl = f"{route.ttl:g} s"
+    note = f"Idempotent: a repeat with the same key within {ttl} of the first answer gets that answer again."
+    operation["description"] = f"{operation['description']}\n\n{note}" if operation.get("description") else note
     responses = operation.setdefault("responses", {})
     for code, response in responses.items():
         if code.startswith("2"):
-            response.setdefault("headers", {})[replay_header] = {
+            headers = response.setdefault("headers", {})
+            headers[replay_header] = {
                 "description": "`true` when this is the stored answer of an earlier request with the same key.",
                 "schema": {"type": "string", "enum": ["true"]},
             }
+            if route.advertise_expiry:
+                headers["Idempotency-Expires"] = {
+                    "description": f"When this answer stops being replayed for its key ({ttl} after it was "
+                    "first given); a request with the key after it runs again.",
+                    "schema": {"type": "string", "format": "http-date"},
+                }
     problem = {"schema": {"$ref": "#/components/schemas/IdempotencyProblem"}}
     for code, text in _ANSWERS.items():
         entry = responses.setdefault(code, {"description": text})
         entry.setdefault("content", {})["application/problem+json"] = problem
+        entry.setdefault("headers", {})["Link"] = _LINK

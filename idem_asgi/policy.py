@@ -111,6 +111,10 @@ class RoutePolicy:
     retry_after: int = 1
     """Seconds put in `Retry-After` on 409 in-progress and 503 answers."""
 
+    advertise_expiry: bool = False
+    """Add `Idempotency-Expires: <HTTP-date>` to the first answer and to every replay: until when the
+    stored answer is replayed (after it, the same key runs again). Never stored with the answer."""
+
     on_expired: Literal["block", "reclaim"] = "block"
     """A lease that expired means the holder died with the outcome unknown. `block` answers
     `outcome-unknown` until the recover hook, the reconcile tool or the TTL resolves it;

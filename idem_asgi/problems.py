@@ -1,7 +1,10 @@
 """RFC 9457 problem answers sent to HTTP clients, one stable `type` per case, with its usual text.
 
 The middleware sends these itself; it never raises them into the application.
-Every refusal carries `Cache-Control: no-store` so no cache keeps it.
+Every refusal carries `Cache-Control: no-store` so no cache keeps it, and
+`Link: <type>; rel="describedby"`: the `type` is a URL (`problem_base` + the case's slug) whose
+page says what happened and what a client should do (docs/problems.md, one anchor per slug), as
+draft-ietf-httpapi-idempotency-key-header asks for the 400 and 422 answers.
 """
 
 from __future__ import annotations
@@ -12,9 +15,30 @@ from typing import Final
 import msgspec
 
 from ._types import Send
+from .errors import ConfigurationError
 
-TYPE_PREFIX: Final = "urn:idem-asgi:problem:"
+DEFAULT_PROBLEM_BASE: Final = "https://github.com/idem-asgi/idem-asgi/blob/main/docs/problems.md#"
+"""Where the `type` URLs point by default: this project's docs/problems.md, one anchor per slug."""
+LEGACY_PREFIX: Final = "urn:idem-asgi:problem:"
+"""The `type` prefix of idem-asgi 0.1.0 (URNs nobody could follow); `slug_of` still reads it."""
 _encode = msgspec.json.encode
+
+
+def check_base(base: str) -> str:
+    """`base` if it can prefix a followable `type` URL (absolute http(s), ending in `#` or `/`)."""
+    if not base.startswith(("https://", "http://")) or not base.endswith(("#", "/")):
+        raise ConfigurationError(
+            f"problem_base must be an absolute http(s) URL ending in '#' or '/' (the slug follows), got {base!r}"
+        )
+    return base
+
+
+def slug_of(type_value: str) -> str | None:
+    """The case (`key-required`, ...) of a problem `type` made by any base, or by 0.1.0's URNs."""
+    if type_value.startswith(LEGACY_PREFIX):
+        return type_value[len(LEGACY_PREFIX) :]
+    slug = type_value.rsplit("#", 1)[-1] if "#" in type_value else type_value.rstrip("/").rsplit("/", 1)[-1]
+    return slug or None
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,8 +53,11 @@ class ProblemType:
 
     @property
     def type(self) -> str:
-        """The full `type` URI clients can switch on."""
-        return TYPE_PREFIX + self.slug
+        """The `type` URL under the default base (`url(base)` for another)."""
+        return DEFAULT_PROBLEM_BASE + self.slug
+
+    def url(self, base: str = DEFAULT_PROBLEM_BASE) -> str:
+        return base + self.slug
 
 
 KEY_REQUIRED: Final = ProblemType(
@@ -115,16 +142,21 @@ ALL: Final = (
 
 
 async def send_problem(
-    send: Send, problem: ProblemType, detail: str | None = None, *, retry_after: int | None = None
+    send: Send,
+    problem: ProblemType,
+    detail: str | None = None,
+    *,
+    retry_after: int | None = None,
+    base: str = DEFAULT_PROBLEM_BASE,
 ) -> None:
-    """Send `problem` as a complete `application/problem+json` response."""
-    body = _encode(
-        {"type": problem.type, "title": problem.title, "status": problem.status, "detail": detail or problem.detail}
-    )
+    """Send `problem` as a complete `application/problem+json` response, its `type` under `base`."""
+    url = base + problem.slug
+    body = _encode({"type": url, "title": problem.title, "status": problem.status, "detail": detail or problem.detail})
     headers = [
         (b"content-type", b"application/problem+json"),
         (b"content-length", str(len(body)).encode("ascii")),
         (b"cache-control", b"no-store"),
+        (b"link", b"<" + url.encode("ascii", "replace") + b'>; rel="describedby"'),
     ]
     if retry_after is not None:
         headers.append((b"retry-after", str(retry_after).encode("ascii")))

@@ -109,6 +109,7 @@ class Route:
     """A RoutePolicy compiled once, with the middleware's defaults: everything the hot path needs."""
 
     __slots__ = (
+        "advertise_expiry",
         "anonymous",
         "excluded",
         "fingerprint",
@@ -162,6 +163,7 @@ class Route:
         if self.on_expired not in ("block", "reclaim"):
             raise ConfigurationError(f"on_expired must be 'block' or 'reclaim', got {self.on_expired!r}")
         self.retry_after = policy.retry_after
+        self.advertise_expiry = policy.advertise_expiry
         excluded = (policy.excluded_headers,) if isinstance(policy.excluded_headers, str) else policy.excluded_headers
         self.excluded = frozenset(h.lower().encode("latin-1") for h in excluded)
 

@@ -210,6 +210,7 @@ class SignatureMiddleware:
             (read once, at construction).
         methods: Protected methods; other methods on the same paths pass through.
         max_body: Largest body buffered for verification; over it: 413.
+        problem_base: URL the problem `type`s are built from (see `IdempotencyMiddleware`).
     """
 
     def __init__(
@@ -222,8 +223,10 @@ class SignatureMiddleware:
         secrets_env: str | None = None,
         methods: Iterable[str] = ("POST",),
         max_body: int = 1 << 20,
+        problem_base: str = problems.DEFAULT_PROBLEM_BASE,
     ) -> None:
         self.app = app
+        self.problem_base = problems.check_base(problem_base)
         if isinstance(paths, str):
             paths = [paths]
         if not paths:
@@ -304,15 +307,18 @@ class SignatureMiddleware:
             self.scheme.verify(scope["headers"], body, self._secrets)
         except SignatureMalformed as exc:
             logger.warning("idem_asgi: webhook to %s refused (400): %s", scope["path"], exc)
-            await problems.send_problem(send, SIGNATURE_MALFORMED, str(exc))
+            await problems.send_problem(send, SIGNATURE_MALFORMED, str(exc), base=self.problem_base)
             return
         except SignatureInvalid as exc:
             logger.warning("idem_asgi: webhook to %s refused (401): %s", scope["path"], exc)
-            await problems.send_problem(send, SIGNATURE_INVALID, str(exc))
+            await problems.send_problem(send, SIGNATURE_INVALID, str(exc), base=self.problem_base)
             return
         await self.app(scope, replaying(body, receive), send)
 
     async def _too_large(self, send: Send) -> None:
         await problems.send_problem(
-            send, problems.BODY_TOO_LARGE, f"The webhook body exceeds the limit of {self.max_body} bytes."
+            send,
+            problems.BODY_TOO_LARGE,
+            f"The webhook body exceeds the limit of {self.max_body} bytes.",
+            base=self.problem_base,
         )

@@ -28,7 +28,7 @@ from idem_asgi.client import IdempotentRetryTransport, was_replayed
 pytestmark = pytest.mark.memory
 
 MERCHANT = {"X-Merchant-Id": "m_acme"}
-PROBLEM = "urn:idem-asgi:problem:"
+PROBLEM = "https://github.com/idem-asgi/idem-asgi/blob/main/docs/problems.md#"
 
 
 def key() -> dict[str, str]:
@@ -431,7 +431,7 @@ async def test_webhooks_echoing_our_own_charge_and_refund_change_nothing(
     assert refunded.status_code == 201
     assert [(r.status_code, r.json()["applied"]) for r in answers] == [(200, False), (200, False)]
     assert await get_order(client, order_id) == before
-    assert caplog.records == []
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []  # other loggers may be at INFO
 
 
 async def test_a_late_failure_webhook_is_an_illegal_transition_logged_and_ignored(

@@ -10,9 +10,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any, Literal
 
 import pytest
@@ -641,19 +643,72 @@ async def test_unprotected_routes_and_methods_pass_through_untouched(method: str
 
 def test_problem_types_are_stable() -> None:
     assert {p.slug: (p.status, p.type) for p in problems.ALL} == {
-        "key-required": (400, "urn:idem-asgi:problem:key-required"),
-        "key-malformed": (400, "urn:idem-asgi:problem:key-malformed"),
-        "scope-malformed": (400, "urn:idem-asgi:problem:scope-malformed"),
-        "body-too-large": (413, "urn:idem-asgi:problem:body-too-large"),
-        "request-in-progress": (409, "urn:idem-asgi:problem:request-in-progress"),
-        "fingerprint-mismatch": (422, "urn:idem-asgi:problem:fingerprint-mismatch"),
-        "outcome-unknown": (409, "urn:idem-asgi:problem:outcome-unknown"),
-        "response-not-stored": (409, "urn:idem-asgi:problem:response-not-stored"),
-        "store-unavailable": (503, "urn:idem-asgi:problem:store-unavailable"),
-        "scope-required": (400, "urn:idem-asgi:problem:scope-required"),
-        "key-quota-exceeded": (429, "urn:idem-asgi:problem:key-quota-exceeded"),
-        "store-misconfigured": (500, "urn:idem-asgi:problem:store-misconfigured"),
+        "key-required": (400, "https://github.com/idem-asgi/idem-asgi/blob/main/docs/problems.md#key-required"),
+        "key-malformed": (400, "https://github.com/idem-asgi/idem-asgi/blob/main/docs/problems.md#key-malformed"),
+        "scope-malformed": (400, "https://github.com/idem-asgi/idem-asgi/blob/main/docs/problems.md#scope-malformed"),
+        "body-too-large": (413, "https://github.com/idem-asgi/idem-asgi/blob/main/docs/problems.md#body-too-large"),
+        "request-in-progress": (
+            409,
+            "https://github.com/idem-asgi/idem-asgi/blob/main/docs/problems.md#request-in-progress",
+        ),
+        "fingerprint-mismatch": (
+            422,
+            "https://github.com/idem-asgi/idem-asgi/blob/main/docs/problems.md#fingerprint-mismatch",
+        ),
+        "outcome-unknown": (409, "https://github.com/idem-asgi/idem-asgi/blob/main/docs/problems.md#outcome-unknown"),
+        "response-not-stored": (
+            409,
+            "https://github.com/idem-asgi/idem-asgi/blob/main/docs/problems.md#response-not-stored",
+        ),
+        "store-unavailable": (
+            503,
+            "https://github.com/idem-asgi/idem-asgi/blob/main/docs/problems.md#store-unavailable",
+        ),
+        "scope-required": (400, "https://github.com/idem-asgi/idem-asgi/blob/main/docs/problems.md#scope-required"),
+        "key-quota-exceeded": (
+            429,
+            "https://github.com/idem-asgi/idem-asgi/blob/main/docs/problems.md#key-quota-exceeded",
+        ),
+        "store-misconfigured": (
+            500,
+            "https://github.com/idem-asgi/idem-asgi/blob/main/docs/problems.md#store-misconfigured",
+        ),
     }
+
+
+def test_every_problem_type_has_its_section_in_docs_problems_md() -> None:
+    from idem_asgi.signatures import SIGNATURE_INVALID, SIGNATURE_MALFORMED
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "problems.md").read_text()
+    sections = set(re.findall(r"^## ([a-z-]+)$", page, flags=re.MULTILINE))
+    slugs = {p.slug for p in (*problems.ALL, SIGNATURE_MALFORMED, SIGNATURE_INVALID)}
+    assert slugs <= sections, slugs - sections  # GitHub makes each heading the anchor #<slug>
+    for slug in slugs:
+        assert problems.slug_of(problems.DEFAULT_PROBLEM_BASE + slug) == slug
+        assert problems.slug_of("urn:idem-asgi:problem:" + slug) == slug  # 0.1.0's values still read
+
+
+async def test_refusals_link_their_type_and_the_base_is_configurable(backend: Backend, namespace: str) -> None:
+    default = protect(Payments(), backend, namespace, required=True)
+    r = await post(default, key=None)
+    doc = assert_problem(r, problems.KEY_REQUIRED)
+    assert r.headers["link"] == f'<{doc["type"]}>; rel="describedby"'
+    assert doc["type"] == "https://github.com/idem-asgi/idem-asgi/blob/main/docs/problems.md#key-required"
+
+    custom = IdempotencyMiddleware(
+        Payments(),
+        backend=backend,
+        namespace=namespace,
+        routes=[RoutePolicy("/payments", required=True, single_tenant=True)],
+        problem_base="https://api.example.com/problems/",
+    )
+    r = await post(custom, key=None)
+    assert r.status_code == 400
+    assert r.json()["type"] == "https://api.example.com/problems/key-required"
+    assert r.headers["link"] == '<https://api.example.com/problems/key-required>; rel="describedby"'
+    for bad in ("urn:x:", "problems#", "https://api.example.com/problems"):
+        with pytest.raises(ConfigurationError, match="problem_base"):
+            IdempotencyMiddleware(Payments(), backend=backend, routes=[], problem_base=bad)
 
 
 async def test_key_and_scope_reach_the_app(backend: Backend, namespace: str) -> None:

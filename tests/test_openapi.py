@@ -87,3 +87,35 @@ def test_schema_is_patched_once() -> None:
 def test_app_without_the_middleware_needs_explicit_routes() -> None:
     with pytest.raises(ConfigurationError):
         add_openapi(FastAPI())
+
+
+def test_ttl_expiry_header_and_problem_links_are_documented() -> None:
+    app = FastAPI()
+    app.add_middleware(
+        IdempotencyMiddleware,
+        backend=MemoryBackend(),
+        routes=[
+            RoutePolicy("/payments", methods=["POST"], single_tenant=True, ttl=3600, advertise_expiry=True),
+            RoutePolicy("/refunds", methods=["POST"], single_tenant=True),
+        ],
+        problem_base="https://api.example.com/problems#",
+    )
+
+    @app.post("/payments", status_code=201)
+    async def create_payment() -> dict[str, Any]:
+        return {}
+
+    @app.post("/refunds", status_code=201)
+    async def refund() -> dict[str, Any]:
+        return {}
+
+    add_openapi(app)
+    schema = app.openapi()
+    pay = schema["paths"]["/payments"]["post"]
+    assert pay["x-idempotency"] == {"ttl_seconds": 3600.0, "required": False}
+    assert "within 3600 s of the first answer" in pay["description"]
+    assert pay["responses"]["201"]["headers"]["Idempotency-Expires"]["schema"]["format"] == "http-date"
+    assert "Idempotency-Expires" not in schema["paths"]["/refunds"]["post"]["responses"]["201"]["headers"]
+    assert "Link" in pay["responses"]["409"]["headers"]
+    types = schema["components"]["schemas"]["IdempotencyProblem"]["properties"]["type"]["enum"]
+    assert "https://api.example.com/problems#fingerprint-mismatch" in types

@@ -19,7 +19,7 @@ from .._types import ASGIApp, Message, Receive, Scope, Send
 from ..backends import Backend
 from ..middleware import IdempotencyMiddleware
 from ..policy import DEFAULT_EXCLUDED_HEADERS
-from ..problems import TYPE_PREFIX
+from ..problems import slug_of
 from ..records import RecordKey, StoredResponse
 from .inject import FailingStore, InjectedAppFailure, InjectedStoreFailure, fire, not_injected
 from .report import Answer, KeyReport
@@ -337,9 +337,7 @@ def _problem_slug(a: Answer) -> str | None:
         kind = _json.loads(a.body).get("type", "")
     except (ValueError, AttributeError):
         return None
-    if isinstance(kind, str) and kind.startswith(TYPE_PREFIX):
-        return kind[len(TYPE_PREFIX) :]
-    return None
+    return slug_of(kind) if isinstance(kind, str) and kind else None
 
 
 def plural(count: int, noun: str) -> str:

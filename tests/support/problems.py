@@ -33,6 +33,7 @@ def assert_problem(response: httpx.Response | Result, problem: ProblemType) -> d
     doc = json.loads(body)
     assert isinstance(doc, dict), doc
     assert doc["type"] == problem.type, doc
+    assert _header(response, "link") == f'<{doc["type"]}>; rel="describedby"'  # docs/problems.md#<slug>
     assert doc["status"] == problem.status
     assert doc["title"] == problem.title
     assert isinstance(doc["detail"], str) and doc["detail"]
