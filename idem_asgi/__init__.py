@@ -12,7 +12,7 @@ from .errors import (
     InvalidScope,
     StoreFull,
 )
-from .fingerprint import JsonIgnoring, RawBody, custom
+from .fingerprint import Fields, JsonIgnoring, RawBody, custom
 from .keys import scope_from_header, scope_from_state, scope_from_token_hash, scope_from_user
 from .middleware import IdempotencyMiddleware
 from .openapi import add_openapi
@@ -31,6 +31,7 @@ __all__ = [
     "IdempotencyInfo",
     "IdempotencyMiddleware",
     "InvalidScope",
+    "Fields",
     "JsonIgnoring",
     "RawBody",
     "Record",

@@ -7,12 +7,15 @@ the default rule hashes incrementally and never joins the body for hashing.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable
+import re
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
+from urllib.parse import parse_qsl
 
 import msgspec
 
 from ._types import Scope
+from .errors import ConfigurationError
 
 
 class Hasher(Protocol):
@@ -23,7 +26,7 @@ class Hasher(Protocol):
 
 
 class FingerprintRule(Protocol):
-    """Anything with `begin(scope) -> Hasher`; see `RawBody`, `JsonIgnoring` and `custom`."""
+    """Anything with `begin(scope) -> Hasher`; see `RawBody`, `JsonIgnoring`, `Fields` and `custom`."""
 
     def begin(self, scope: Scope) -> Hasher: ...
 
@@ -139,6 +142,115 @@ class JsonIgnoring:
 
     def __repr__(self) -> str:
         return f"JsonIgnoring(*{sorted(self.fields)!r})"
+
+
+_SEGMENT = re.compile(r"\[\d*\]|[^.\[\]]+")
+Path = tuple["str | int | None", ...]  # a name, an array index, or None: any index ("[]")
+
+
+def _path(text: str) -> Path:
+    """`customer.id`, `items[].price`, `items[0].sku`, `[].id`, `metadata[order_id]` as segments."""
+    segments: list[str | int | None] = []
+    for part in _SEGMENT.findall(text):
+        if part == "[]":
+            segments.append(None)
+        elif part.startswith("["):
+            segments.append(int(part[1:-1]))
+        else:
+            segments.append(int(part) if part.isdigit() else part)
+    if not segments:
+        raise ConfigurationError(f"empty field path {text!r}")
+    return tuple(segments)
+
+
+def _covers(path: Path, leaf: tuple[str | int, ...]) -> bool:
+    """`path` selects `leaf` (the leaf itself or anything under it)."""
+    if len(path) > len(leaf):
+        return False
+    return all(p == s or (p is None and isinstance(s, int)) for p, s in zip(path, leaf, strict=False))
+
+
+def _leaves(doc: Any, at: tuple[str | int, ...] = ()) -> Iterator[tuple[tuple[str | int, ...], Any]]:
+    if isinstance(doc, dict) and doc:
+        for name, value in doc.items():
+            yield from _leaves(value, (*at, name))
+    elif isinstance(doc, list) and doc:
+        for i, value in enumerate(doc):
+            yield from _leaves(value, (*at, i))
+    else:
+        yield at, doc  # a scalar, or an empty object or array
+
+
+def _form_leaves(body: bytes) -> Iterator[tuple[tuple[str | int, ...], Any]]:
+    """`a=1&metadata[order]=x&items[0][price]=5&expand[]=p&expand[]=q` as (segments, value) pairs;
+    `[]` numbers a name's repeats in order (what Stripe's and Rails' encoders send)."""
+    seen: dict[str, int] = {}
+    # Strict UTF-8 (raw and percent-encoded): a body that is not is compared as raw bytes instead.
+    for name, value in parse_qsl(body.decode("utf-8"), keep_blank_values=True, errors="strict"):
+        leaf: list[str | int] = []
+        for segment in _path(name) if name else ("",):
+            if segment is None:  # "expand[]": the nth repeat of this name
+                segment = seen[name] = seen.get(name, -1) + 1
+            leaf.append(segment)
+        yield tuple(leaf), value
+
+
+class Fields:
+    """Bodies compared field by field: `only` these paths, or all `but` these (`ignore`), for JSON
+    and for `application/x-www-form-urlencoded` bodies (what Stripe's clients send).
+
+    A path is dotted names with array items: `amount`, `customer.id`, `items[].price` (every item's
+    price), `items[0].sku`, `[].id` (a top-level array), `metadata[order_id]` (form names are paths
+    as sent). A path selects its whole subtree. Comparison is semantic: key order and whitespace do
+    not matter, array order and value types do, and a missing field differs from a null one. Field
+    names holding `.`, `[` or `]` cannot be addressed. A body that is neither JSON nor a form (or
+    nests deeper than the decoder allows) is compared as raw bytes.
+    """
+
+    __slots__ = ("headers", "ignore", "only")
+
+    def __init__(self, *, only: Iterable[str] = (), ignore: Iterable[str] = (), headers: Iterable[str] = ()) -> None:
+        for name, given in (("only", only), ("ignore", ignore)):
+            if isinstance(given, str):
+                raise ConfigurationError(f"Fields({name}=...) takes a list of paths, got the string {given!r}")
+        self.only = tuple(_path(p) for p in only)
+        self.ignore = tuple(_path(p) for p in ignore)
+        if not self.only and not self.ignore:
+            raise ConfigurationError("Fields needs only=[...] or ignore=[...] (JsonIgnoring() for neither)")
+        self.headers = _lower(headers)
+
+    def _kept(self, leaf: tuple[str | int, ...]) -> bool:
+        if self.only and not any(_covers(p, leaf) for p in self.only):
+            return False
+        return not any(_covers(p, leaf) for p in self.ignore)
+
+    def begin(self, scope: Scope) -> Hasher:
+        head = _head(scope, self.headers)
+        form = any(
+            k == b"content-type" and v.split(b";", 1)[0].strip().lower() == b"application/x-www-form-urlencoded"
+            for k, v in scope["headers"]
+        )
+
+        def finish(body: bytes) -> bytes:
+            try:
+                kind, leaves = (
+                    (b"form", list(_form_leaves(body))) if form else (b"json", list(_leaves(_json_decode(body))))
+                )
+            except (msgspec.DecodeError, RecursionError, UnicodeError):
+                head.update(b"raw")
+                head.update(body)
+                return bytes(head.digest())
+            kept = sorted(_json_encode([list(leaf), value]) for leaf, value in leaves if self._kept(leaf))
+            head.update(kind)
+            for item in kept:
+                head.update(len(item).to_bytes(4, "big"))
+                head.update(item)
+            return bytes(head.digest())
+
+        return _Buffered(finish)
+
+    def __repr__(self) -> str:
+        return f"Fields(only={self.only!r}, ignore={self.ignore!r})"
 
 
 class custom:
