@@ -49,8 +49,20 @@ class Event:
     scope: str | None = None
     status: int | None = None
 
+    @property
+    def answer(self) -> Literal["stored", "released", "kept"] | None:
+        """What became of the app's answer: `stored` (replayed to every repeat, whatever its status:
+        a final 402 or 409 too), `released` (a transient status or an exception: a retry runs
+        again), `kept` (failed after its answer started or an effect: outcome unknown); else None."""
+        return _ANSWERS.get(self.name)
+
 
 Observer = Callable[[Event], None]
+_ANSWERS: Final[dict[str, Literal["stored", "released", "kept"]]] = {
+    "completed": "stored",
+    "released": "released",
+    "unresolved": "kept",
+}
 
 
 class Counters:
@@ -124,7 +136,9 @@ _counters: dict[tuple[int, str], Any] = {}
 
 
 def prometheus_observer(registry: Any = None, name: str = "idem_asgi_events_total") -> Observer:
-    """A counter `idem_asgi_events_total{event, route}`; needs `pip install "idem-asgi[prometheus]"`."""
+    """A counter `idem_asgi_events_total{event, route}`, and `idem_asgi_answers_total{route, answer,
+    status}` for what became of each app answer (stored, released, kept); needs
+    `pip install "idem-asgi[prometheus]"`."""
     try:
         from prometheus_client import REGISTRY
         from prometheus_client import Counter as PromCounter
@@ -138,9 +152,21 @@ def prometheus_observer(registry: Any = None, name: str = "idem_asgi_events_tota
             name.removesuffix("_total"), "Idempotency decisions", ["event", "route"], registry=registry
         )
         _counters[slot] = counter
+    answers_slot = (id(registry), "idem_asgi_answers_total")
+    answers = _counters.get(answers_slot)
+    if answers is None:
+        answers = PromCounter(
+            "idem_asgi_answers",
+            "What became of the app's answers: stored (replayed), released (retry runs), kept (outcome unknown)",
+            ["route", "answer", "status"],
+            registry=registry,
+        )
+        _counters[answers_slot] = answers
 
     def observe(event: Event) -> None:
         counter.labels(event.name, event.route).inc()
+        if (answer := event.answer) is not None:
+            answers.labels(event.route, answer, str(event.status or "")).inc()
 
     return observe
 
@@ -157,6 +183,8 @@ def otel_observer() -> Observer:
         if span.is_recording():
             span.set_attribute("idempotency.route", event.route)
             span.set_attribute("idempotency.outcome", event.name)
+            if event.answer is not None:
+                span.set_attribute("idempotency.answer", event.answer)
             if event.key is not None:
                 span.set_attribute("idempotency.key", event.key)
             span.add_event(f"idempotency.{event.name}")

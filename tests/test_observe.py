@@ -169,3 +169,24 @@ async def test_reclaimed_lease_is_observed_as_recovered() -> None:
         r = await c.post("/pay", headers={"Idempotency-Key": "dead"})
     assert r.status_code == 201
     assert (counts["expired"], counts["recovered"], counts["claimed"], counts["completed"]) == (1, 1, 1, 1)
+
+
+async def test_stored_or_released_is_visible_per_answer() -> None:
+    """A final error (402 declined card) is stored and replayed; a transient one (503) is released:
+    observers see which, with the status, and Prometheus counts it by answer and status."""
+    from prometheus_client import CollectorRegistry
+
+    seen: list[Event] = []
+    registry = CollectorRegistry()
+    observer = fan_out(seen.append, prometheus_observer(registry))
+    async with client(app_answering(status=402), observer) as c:
+        declined = await c.post("/pay", headers={"Idempotency-Key": "card"})
+        again = await c.post("/pay", headers={"Idempotency-Key": "card"})
+    async with client(app_answering(status=503), observer) as c:
+        await c.post("/pay", headers={"Idempotency-Key": "busy"})
+    assert declined.status_code == 402 and again.headers["idempotent-replayed"] == "true"
+    answers = [(e.answer, e.status) for e in seen if e.answer is not None]
+    assert answers == [("stored", 402), ("released", 503)]
+    sample = registry.get_sample_value
+    assert sample("idem_asgi_answers_total", {"route": "/pay", "answer": "stored", "status": "402"}) == 1.0
+    assert sample("idem_asgi_answers_total", {"route": "/pay", "answer": "released", "status": "503"}) == 1.0
