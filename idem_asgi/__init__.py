@@ -18,7 +18,7 @@ from .middleware import IdempotencyMiddleware
 from .openapi import add_openapi
 from .policy import RoutePolicy
 from .records import Record, RecordKey, StaleRecord, StoredResponse
-from .signatures import HmacScheme, SignatureMiddleware, StripeScheme
+from .signatures import HmacScheme, SignatureMiddleware, StandardWebhooksScheme, StripeScheme
 
 __all__ = [
     "Backend",
@@ -39,6 +39,7 @@ __all__ = [
     "RoutePolicy",
     "SignatureMiddleware",
     "StaleRecord",
+    "StandardWebhooksScheme",
     "StoreFull",
     "StoredResponse",
     "StripeScheme",

@@ -27,6 +27,7 @@ from typing import Any, Final, Literal, Protocol, runtime_checkable
 from . import problems
 from ._asgi import TooLarge, declared_too_large, read_body, replaying
 from ._types import ASGIApp, Receive, Scope, Send
+from .derived import event_id
 from .errors import ConfigurationError
 from .errors import SignatureInvalid as SignatureInvalid  # re-exported: schemes raise them
 from .errors import SignatureMalformed as SignatureMalformed
@@ -177,6 +178,76 @@ class HmacScheme:
             raise SignatureInvalid(f"The {self.header} signature does not match the body under the configured secrets.")
 
 
+class StandardWebhooksScheme:
+    """Standard Webhooks (standardwebhooks.com; Svix, Clerk, Resend, OpenAI and others sign this way).
+
+    Headers `webhook-id`, `webhook-timestamp` (unix seconds) and `webhook-signature`, a
+    space-separated list of `v1,<base64 HMAC-SHA256>` over `"<id>.<timestamp>.<body>"`. Secrets are
+    given as the provider shows them, `whsec_<base64>` (the key is the decoded bytes); several may be
+    configured during a rotation, and a delivery may carry several signatures (the provider's own
+    rotation): one match is enough. Other versions (`v1a`, asymmetric) are ignored, never accepted.
+    The id and the timestamp are signed (`signed_headers`), so key the route by the delivery's id:
+    `RoutePolicy(path, key=StandardWebhooksScheme.event_key, single_tenant=True)`.
+    """
+
+    __slots__ = ("tolerance",)
+
+    signed_headers: Final = ("webhook-id", "webhook-timestamp")
+    event_key: Final = event_id(header="webhook-id")
+    """The route's key: the signed delivery id, the same on every redelivery."""
+
+    def __init__(self, *, tolerance: Duration = 300) -> None:
+        self.tolerance = seconds(tolerance)
+
+    @staticmethod
+    def key_bytes(secret: bytes) -> bytes:
+        """The HMAC key of a `whsec_<base64>` secret (unpadded base64 accepted)."""
+        encoded = secret[len(b"whsec_") :] if secret.startswith(b"whsec_") else secret
+        try:
+            key = base64.b64decode(encoded + b"==")
+        except (binascii.Error, ValueError):
+            raise ConfigurationError("a Standard Webhooks secret must be whsec_<base64>") from None
+        if not key:
+            raise ConfigurationError("an empty Standard Webhooks secret: anyone could sign with it")
+        return key
+
+    def verify(self, headers: Headers, body: bytes, secrets: Sequence[bytes]) -> None:
+        """Check the signature over id, timestamp and body, and the clock."""
+        msg_id = _one_header(headers, b"webhook-id", "webhook-id")
+        stamp = _one_header(headers, b"webhook-timestamp", "webhook-timestamp")
+        if not (stamp.isascii() and stamp.isdigit() and len(stamp) <= 12):
+            raise SignatureMalformed("The webhook-timestamp header must be an integer (unix seconds).")
+        signatures: list[bytes] = []
+        for item in _one_header(headers, b"webhook-signature", "webhook-signature").split():
+            version, comma, value = item.partition(b",")
+            if not comma:
+                raise SignatureMalformed("The webhook-signature header is not a list of <version>,<signature>.")
+            if version != b"v1":
+                continue  # v1a (asymmetric) and unknown versions: never a way around v1
+            try:
+                signature = base64.b64decode(value, validate=True)
+            except (binascii.Error, ValueError):
+                raise SignatureMalformed(
+                    "The webhook-signature header carries a v1 signature that is not base64."
+                ) from None
+            if len(signature) != _DIGEST_SIZE:
+                raise SignatureMalformed(
+                    "The webhook-signature header carries a v1 signature that is not an HMAC-SHA256."
+                )
+            signatures.append(signature)
+        if not signatures:
+            raise SignatureMalformed("The webhook-signature header needs at least one v1,<signature>.")
+        keys = [self.key_bytes(secret) for secret in secrets]
+        if not _matches(signatures, msg_id + b"." + stamp + b"." + body, keys):
+            raise SignatureInvalid("No v1 signature in webhook-signature matches under the configured secrets.")
+        skew = time.time() - int(stamp)
+        if abs(skew) > self.tolerance:
+            when = "old" if skew > 0 else "far in the future"
+            raise SignatureInvalid(
+                f"The webhook-timestamp is {abs(int(skew))} s {when}, outside the {self.tolerance:g} s tolerance."
+            )
+
+
 def _load_secrets(secrets: Iterable[str | bytes] | str | bytes | None, secrets_env: str | None) -> tuple[bytes, ...]:
     if (secrets is None) == (secrets_env is None):
         raise ConfigurationError("pass exactly one of secrets=[...] or secrets_env='NAME'")
@@ -238,6 +309,10 @@ class SignatureMiddleware:
         self.scheme = scheme
         self._check_inner(app)
         self._secrets = _load_secrets(secrets, secrets_env)
+        check = getattr(scheme, "key_bytes", None)  # a scheme that decodes its secrets: fail at start-up
+        if check is not None:
+            for secret in self._secrets:
+                check(secret)
         if max_body <= 0:
             raise ConfigurationError(f"max_body must be positive, got {max_body}")
         self.max_body = max_body
@@ -249,7 +324,6 @@ class SignatureMiddleware:
         write to: every method it protects must be one we verify, and a key read from a header must
         come from a header the signature covers.
         """
-        from .derived import event_id
         from .middleware import IdempotencyMiddleware
 
         inner: Any = app
