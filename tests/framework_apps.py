@@ -11,7 +11,7 @@ import asyncio
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, cast
 
 from idem_asgi import IdempotencyMiddleware, RoutePolicy, current_idempotency
 from idem_asgi.backends import MemoryBackend
@@ -200,6 +200,112 @@ def falcon_app(counts: Counter[str], background: list[str]) -> Any:
     return IdempotencyMiddleware(inner, backend=MemoryBackend(), routes=ROUTES)  # type: ignore[arg-type]  # falcon types its ASGI app with dict scopes
 
 
+def quart_app(counts: Counter[str], background: list[str]) -> Any:
+    from quart import Quart, Response, jsonify, request
+
+    app = Quart(__name__)
+
+    @app.post("/payments")
+    async def payments() -> Any:
+        info = current_idempotency()  # or request.scope["state"]["idempotency"]
+        return jsonify(
+            _payment(counts, "payments", info.key if info else None, cast(bytes, await request.get_data()))
+        ), 201
+
+    @app.post("/stream")
+    async def stream() -> Any:
+        counts["stream"] += 1
+        return Response(_chunks(), mimetype="text/plain")
+
+    @app.post("/boom")
+    async def boom() -> Any:
+        counts["boom"] += 1
+        raise RuntimeError("card network exploded")
+
+    @app.post("/slow")
+    async def slow() -> Any:
+        await asyncio.sleep(0.3)
+        return jsonify(_payment(counts, "slow", None, b""))
+
+    @app.post("/bg")
+    async def bg() -> Any:
+        async def note() -> None:
+            background.append("ran")
+
+        app.add_background_task(note)
+        return jsonify(_payment(counts, "bg", None, b""))
+
+    @app.post("/free")
+    async def free() -> Any:
+        return jsonify(_payment(counts, "free", None, b""))
+
+    # Quart's documented way to add ASGI middleware: wrap its asgi_app.
+    app.asgi_app = IdempotencyMiddleware(app.asgi_app, backend=MemoryBackend(), routes=ROUTES)  # type: ignore[method-assign,assignment,arg-type]
+    return app
+
+
+def blacksheep_app(counts: Counter[str], background: list[str]) -> Any:
+    from blacksheep import Application, Request, Response, Router, StreamedContent, json
+
+    app = Application(router=Router())  # not the module-wide default router, which every app would share
+    post = app.router.post
+
+    @post("/payments")
+    async def payments(request: Request) -> Response:
+        info = current_idempotency()  # or request.scope["state"]["idempotency"]
+        return json(_payment(counts, "payments", info.key if info else None, await request.read() or b""), status=201)
+
+    @post("/stream")
+    async def stream(request: Request) -> Response:
+        counts["stream"] += 1
+        return Response(200, content=StreamedContent(b"text/plain", _chunks))
+
+    @post("/boom")
+    async def boom(request: Request) -> Response:
+        counts["boom"] += 1
+        raise RuntimeError("card network exploded")
+
+    @post("/slow")
+    async def slow(request: Request) -> Response:
+        await asyncio.sleep(0.3)
+        return json(_payment(counts, "slow", None, b""))
+
+    @post("/bg")
+    async def bg(request: Request) -> Response:
+        async def note() -> None:
+            background.append("ran")
+
+        _tasks.add(asyncio.get_running_loop().create_task(note()))
+        return json(_payment(counts, "bg", None, b""))
+
+    @post("/free")
+    async def free(request: Request) -> Response:
+        return json(_payment(counts, "free", None, b""))
+
+    return _Started(app, IdempotencyMiddleware(app, backend=MemoryBackend(), routes=ROUTES))
+
+
+_tasks: set[Any] = set()
+
+
+class _Started:
+    """Start a BlackSheep app on its first request (what uvicorn's lifespan does; httpx sends none)."""
+
+    def __init__(self, app: Any, asgi: Any) -> None:
+        self.app, self.asgi = app, asgi
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if not self.app.started:
+            await self.app.start()
+        await self.asgi(scope, receive, send)
+
+
+def django_app(counts: Counter[str], background: list[str]) -> Any:
+    from tests.django_project import build
+
+    return build(counts, background, ROUTES, _payment, _chunks)
+
+
 def _note(background: list[str]) -> None:
     background.append("ran")
 
@@ -209,4 +315,7 @@ FRAMEWORKS: dict[str, Callable[[Counter[str], list[str]], Any]] = {
     "starlette": starlette_app,
     "litestar": litestar_app,
     "falcon": falcon_app,
+    "quart": quart_app,
+    "blacksheep": blacksheep_app,
+    "django": django_app,
 }

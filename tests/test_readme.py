@@ -65,7 +65,7 @@ def test_readme_framework_snippets_run_as_printed_with_the_compressor_outside() 
     section = text[text.index("### Other frameworks") :]
     match = re.search(r"```python\n(.*?)```", section, re.S)
     assert match is not None
-    namespace: dict[str, Any] = {}
+    namespace: dict[str, Any] = {"__name__": __name__}  # as in a module of the user's (Quart(__name__))
     exec(compile(match.group(1), "README.md", "exec"), namespace)  # every snippet, imports included
     assert isinstance(namespace["app"], IdempotencyMiddleware)  # the last one: Falcon wrapped
     starlette_lines = match.group(1)[match.group(1).index("# Starlette") :]

@@ -26,14 +26,19 @@ def find_middleware(app: object) -> list[IdempotencyMiddleware]:
     seen: set[int] = set()
     queue: list[object] = [app]
     for obj in queue:  # breadth first; the list grows while we walk it
-        if id(obj) in seen or isinstance(obj, _ATOMS):
+        if id(obj) in seen:
             continue
         seen.add(id(obj))
         if len(seen) > _WALK_LIMIT:
             break
-        if isinstance(obj, IdempotencyMiddleware):
-            found.append(obj)
-        queue.extend(_children(obj))
+        try:
+            if isinstance(obj, _ATOMS):
+                continue
+            if isinstance(obj, IdempotencyMiddleware):
+                found.append(obj)
+            queue.extend(list(_children(obj)))
+        except Exception:  # a proxy that refuses to be looked at (Quart's `request` outside a request)
+            continue
     return found
 
 
