@@ -65,6 +65,13 @@ def label(namespace: str, scope: str, key: str) -> str:
     return f"{namespace} / {scope or '-'} / {key}"
 
 
+def key_label(key: RecordKey) -> str:
+    """`label`, or the digest for a record whose store keeps no raw key (`store_keys=False`)."""
+    if key.hidden:
+        return f"{key.namespace} / sha256:{key.digest[:16]}"
+    return label(key.namespace, key.scope, key.key)
+
+
 def report_doc(report: ReconcileReport) -> dict[str, Any]:
     return {
         "examined": report.examined,
@@ -79,6 +86,7 @@ def report_doc(report: ReconcileReport) -> dict[str, Any]:
                 "namespace": i.namespace,
                 "scope": i.scope,
                 "key": i.key,
+                "digest": i.digest,
                 "token": i.token,
                 "lease_until": iso(i.lease_until),
                 "action": i.action,

@@ -28,7 +28,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
-from ._cli_output import iso, key_doc, label, record_doc, report_doc, report_lines, stale_doc, text
+from ._cli_output import iso, key_doc, key_label, label, record_doc, report_doc, report_lines, stale_doc, text
 from .backends import backend_class
 from .backends._protocol import Backend
 from .errors import BackendError, BackendMisconfigured, BackendUnavailable, ConfigurationError, InvalidScope
@@ -60,6 +60,12 @@ def _common(parser: argparse.ArgumentParser, *, top: bool) -> None:
     parser.add_argument("--json", action="store_true", default=default(False), help="print one JSON document")
     parser.add_argument("--prefix", default=default("idem:"), help="Redis key prefix (default: idem:)")
     parser.add_argument("--table", default=default("idem_records"), help="Postgres table (default: idem_records)")
+    parser.add_argument(
+        "--store-keys",
+        action="store_true",
+        default=default(False),
+        help="the app keeps raw keys (store_keys=True): look Postgres records up by them",
+    )
     parser.add_argument("--cluster", action="store_true", default=default(False), help="the Redis URL is a cluster")
     parser.add_argument("--timeout", type=float, default=default(5.0), help="seconds per store call (default: 5)")
     parser.add_argument("-v", "--verbose", action="store_true", default=default(False), help="log every step")
@@ -195,11 +201,13 @@ async def _open(args: argparse.Namespace, *, create_table: bool = False) -> Asyn
     options: dict[str, Any] = {}
     if cls.__name__ == "RedisBackend":
         options = {"prefix": args.prefix, "timeout": args.timeout, "cluster": args.cluster, "max_connections": 8}
+        options["store_keys"] = args.store_keys
     elif cls.__name__ == "PostgresBackend":
         options = {
             "table": args.table,
             "timeout": args.timeout,
             "create_table": create_table,
+            "store_keys": args.store_keys,
             "min_size": 1,
             "max_size": 2,
             "server_settings": {"application_name": PROG},
@@ -308,7 +316,7 @@ async def _stale(args: argparse.Namespace) -> int:
 
     def lines() -> list[str]:
         out = [
-            f"{iso(s.record.lease_until)}  {label(s.key.namespace, s.key.scope, s.key.key)}  token {s.record.token}"
+            f"{iso(s.record.lease_until)}  {key_label(s.key)}  token {s.record.token}"
             + ("  effect committed" if s.effect_committed else "")
             + ("  failed mid-answer" if s.record.holder_failed else "")
             + (f"  checkpoint {s.record.checkpoint!r}" if s.record.checkpoint is not None else "")
@@ -386,8 +394,14 @@ async def _migrate(args: argparse.Namespace) -> int:
     url: str | None = args.backend or os.environ.get(ENV_URL)
     if url is None and not args.print_ddl:
         raise ConfigurationError(f"no backend: pass --backend URL or set {ENV_URL}")
-    if url is not None and backend_class(url).__name__ != "PostgresBackend":
-        raise ConfigurationError("migrate is for postgresql:// backends; memory and Redis need no schema")
+    kind = None if url is None else backend_class(url).__name__
+    if kind == "RedisBackend":  # no schema: only records that hold raw keys to rewrite
+        async with _open(args) as redis_store:
+            rewritten, _ = (0, 0) if args.store_keys else await redis_store.hash_stored_keys()
+        _emit(args, {"keys_hashed": rewritten}, lambda: [f"raw keys removed from {rewritten} record(s)"])
+        return 0
+    if kind is not None and kind != "PostgresBackend":
+        raise ConfigurationError("migrate is for postgresql:// and Redis backends; the memory store keeps nothing")
     from .backends.postgres import PostgresBackend  # MissingExtra (a ConfigurationError) without asyncpg
 
     if args.print_ddl:
@@ -396,7 +410,12 @@ async def _migrate(args: argparse.Namespace) -> int:
         return 0
     async with _open(args) as backend:
         await backend.setup()
-    _emit(args, {"table": args.table, "applied": True}, lambda: [f"schema ready: table {args.table}"])
+        rewritten, left = (0, 0) if args.store_keys else await backend.hash_stored_keys()
+    doc = {"table": args.table, "applied": True, "keys_hashed": rewritten, "keys_left": left}
+    lines = [f"schema ready: table {args.table}"]
+    if rewritten or left:
+        lines.append(f"raw keys replaced by their digest in {rewritten} row(s); {left} left (a newer row exists)")
+    _emit(args, doc, lambda: lines)
     return 0
 
 

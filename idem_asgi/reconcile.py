@@ -68,6 +68,8 @@ class ReconcileItem(msgspec.Struct, frozen=True):
     lease_until: float
     action: Action
     detail: str = ""
+    digest: str = ""
+    """The record's key digest (a store that keeps no raw keys lists scope and key as "?")."""
 
 
 class ReconcileReport(msgspec.Struct):
@@ -149,7 +151,9 @@ async def reconcile(
         async with slots:
             action, detail = await _resolve_one(backend, resolve, s, ttl=ttl, lease=lease, dry_run=dry_run)
         k = s.key
-        report.count(ReconcileItem(k.namespace, k.scope, k.key, s.record.token, s.record.lease_until, action, detail))
+        report.count(
+            ReconcileItem(k.namespace, k.scope, k.key, s.record.token, s.record.lease_until, action, detail, k.digest)
+        )
         log = logger.warning if action == "error" else logger.info
         log("idem_asgi: reconcile %s key=%r scope=%r: %s %s", k.namespace, k.key, k.scope, action, detail)
 

@@ -74,6 +74,16 @@ class RecordKey(msgspec.Struct, frozen=True, gc=False):
     scope: str
     key: str
     digest: str
+    hidden: bool = False
+    """Read back from a store that keeps only the digest: `scope` and `key` are "?" (not known)."""
+    stored_raw: bool = False
+    """Read back from a row that holds the raw scope and key (Postgres `store_keys=True`, or a row
+    written before keys were hashed): the store finds it by them, whatever it was told to write."""
+
+    @classmethod
+    def hashed(cls, namespace: str, digest: str) -> RecordKey:
+        """A record known only by its digest (stores keep no raw key unless `store_keys=True`)."""
+        return cls(namespace, "?", "?", digest, True)
 
     @classmethod
     def build(cls, namespace: str, scope: str | None, key: str) -> RecordKey:

@@ -54,7 +54,14 @@ async def pg() -> AsyncIterator[PostgresBackend]:
     """A backend on a table of its own, dropped afterwards."""
     require("postgres", POSTGRES_DSN)
     table = fresh_table()
-    backend = PostgresBackend.from_dsn(POSTGRES_DSN, table=table, min_size=1, max_size=20, timeout=5.0)
+    backend = PostgresBackend.from_dsn(
+        POSTGRES_DSN,
+        table=table,
+        min_size=1,
+        max_size=20,
+        timeout=5.0,
+        store_keys=True,  # raw columns inspected here
+    )
     try:
         await backend.setup()
         yield backend

@@ -49,18 +49,19 @@ async def store(request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[st
     if request.param == "redis":
         require("redis", REDIS_URL)
         prefix = f"idem-test:{uuid.uuid4().hex}:"
-        async with RedisBackend.from_url(REDIS_URL, prefix=prefix) as redis_backend:
-            yield Store("redis", ["--backend", REDIS_URL, "--prefix", prefix], redis_backend)
+        # store_keys=True: an app that keeps raw keys for the tools to display (the default keeps digests)
+        async with RedisBackend.from_url(REDIS_URL, prefix=prefix, store_keys=True) as redis_backend:
+            yield Store("redis", ["--backend", REDIS_URL, "--prefix", prefix, "--store-keys"], redis_backend)
         return
     require("postgres", POSTGRES_DSN)
     table = f"idem_cli_{uuid.uuid4().hex[:16]}"
-    args = ["--backend", POSTGRES_DSN, "--table", table]
+    args = ["--backend", POSTGRES_DSN, "--table", table, "--store-keys"]
     # The CLI makes the table (and nothing else does: the backend below is given a pool).
     assert await run([*args, "migrate"]) == 0
     assert capsys.readouterr().out == f"schema ready: table {table}\n"
     pool = await asyncpg.create_pool(POSTGRES_DSN, min_size=1, max_size=4)
     try:
-        async with PostgresBackend(pool, table=table) as pg:
+        async with PostgresBackend(pool, table=table, store_keys=True) as pg:
             yield Store("postgres", args, pg)
     finally:
         await pool.execute(f'DROP TABLE IF EXISTS "{table}"')
@@ -249,7 +250,7 @@ async def test_memory_store_works_but_starts_empty(capsys: pytest.CaptureFixture
     assert code == 1 and doc["found"] is False
     code, out, err = await cli(capsys, "--backend", "memory://", "migrate")
     assert (code, out) == (2, "")
-    assert err == "idem-asgi: error: migrate is for postgresql:// backends; memory and Redis need no schema\n"
+    assert err == "idem-asgi: error: migrate is for postgresql:// and Redis backends; the memory store keeps nothing\n"
 
 
 async def test_migrate_print_needs_no_connection(capsys: pytest.CaptureFixture[str]) -> None:
@@ -375,5 +376,6 @@ async def test_python_dash_m_reconciles_with_a_hook_from_the_working_directory(t
         assert done.returncode == 0, done.stderr
         doc = json.loads(done.stdout)
         assert (doc["examined"], doc["released"]) == (1, 1)
-        assert doc["items"][0]["key"] == "gone-in-subprocess"
+        assert doc["items"][0]["key"] == "?"  # the store keeps the digest only (store_keys=False)
+        assert doc["items"][0]["digest"] == key.digest
         assert await backend.get(key) is None

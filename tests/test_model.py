@@ -83,6 +83,7 @@ from idem_asgi._types import Receive, Scope, Send
 from idem_asgi.backends import Backend, MemoryBackend
 from idem_asgi.errors import BackendUnavailable
 from idem_asgi.keys import scope_from_header
+from idem_asgi.problems import slug_of
 from idem_asgi.records import IN_PROGRESS, Claimed, ClaimResult, RecordKey, StoredResponse
 from tests.support.asgi import Result, drive, http_scope, read_body
 from tests.support.scorecard import report
@@ -552,7 +553,7 @@ class IdempotencyModel(RuleBasedStateMachine):
         }[expected]
         kind = ""
         if h.get(b"content-type") == b"application/problem+json":
-            kind = str(json.loads(body).get("type", "")).rsplit(":", 1)[-1]
+            kind = slug_of(str(json.loads(body).get("type", ""))) or ""
         check((status, kind) == (code, slug), f"{op}: expected {code} {slug}, got {status} {kind or body[:80]!r}")
         check(h.get(b"cache-control") == b"no-store", f"{op}: a refusal without Cache-Control: no-store")
         if expected == "busy":

@@ -21,7 +21,7 @@ from tests.support.asgi import drive, http_scope
 from tests.support.charges import BODY, KEY, LEASE, Payments, crash_first_request, post, protect, rk
 from tests.support.problems import assert_problem
 from tests.support.servers import RedisProcess
-from tests.support.stores import make_backend
+from tests.support.stores import BACKENDS, make_backend
 
 DAY = 86_400.0
 FOUND = StoredResponse(
@@ -29,6 +29,17 @@ FOUND = StoredResponse(
     [(b"content-type", b"application/json"), (b"x-provider", b"acme"), (b"x-b", b"2"), (b"x-b", b"1")],
     b'{"charge":"ch_from_provider","amount":1230}' + bytes(range(256)),
 )
+
+
+@pytest.fixture(params=BACKENDS)
+async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
+    """Every store, keeping raw keys (`store_keys=True`): these resolvers look records up by their
+    key, as one asking the payment provider by the forwarded key does."""
+    b = await make_backend(request.param, store_keys=True)
+    try:
+        yield b
+    finally:
+        await b.aclose()
 
 
 def store(backend: Backend) -> ReconcilableBackend:
@@ -201,7 +212,7 @@ async def test_a_middleware_recover_hook_serves_as_resolver(namespace: str) -> N
 
 @pytest.fixture
 async def pg() -> AsyncIterator[Backend]:
-    b = await make_backend("postgres")
+    b = await make_backend("postgres", store_keys=True)
     try:
         yield b
     finally:
@@ -238,7 +249,7 @@ async def test_postgres_committed_effect_is_completed_under_its_token_never_rele
 
 @pytest.fixture
 async def redis_backend() -> AsyncIterator[RedisBackend]:
-    b = await make_backend("redis")
+    b = await make_backend("redis", store_keys=True)
     try:
         yield b
     finally:
@@ -297,8 +308,8 @@ async def test_redis_cluster_stale_scans_every_primary(cluster: list[RedisProces
         started = time.monotonic()
         found = await backend.stale(0, scan_count=5)
         assert time.monotonic() - started < 5
-        assert sorted(s.key.key for s in found) == sorted(k.key for k in keys)
-        assert {s.key for s in found} == set(keys)
+        assert sorted(s.key.digest for s in found) == sorted(k.digest for k in keys)
+        assert all(s.key.hidden for s in found)  # the default keeps digests only
         report = await reconcile(backend, lambda s: "release", older_than=0, concurrency=4)
         assert counts(report) == (24, 0, 24, 0, 0, 0)
         assert await backend.stale(0) == []

@@ -101,7 +101,7 @@ async def _mark_effect(store: PostgresBackend, conn: Any, claim: ClaimHandle) ->
     """Mark the claim effect-committed inside the open transaction, fenced by its token."""
     k = claim.rkey
     assert k is not None
-    status = await conn.execute(store.sql.effect, k.namespace, k.scope, k.key, claim.token, timeout=store.timeout)
+    status = await conn.execute(store.sql.effect, *store._id(k), claim.token, timeout=store.timeout)
     if status != "UPDATE 1":
         raise ClaimLost(
             f"the claim on key {k.key!r} is no longer held by this request (taken over, expired "

@@ -93,5 +93,11 @@ def _stale(
             holder_failed=state == b"u",
             ttl=None if ttl is None else int(ttl) / 1000,
         )
-        found.append(StaleRecord(RecordKey(_text(ns), _text(scope), _text(key), digest), record))
+        # An empty key: the record keeps only its digest (no raw key is ever empty).
+        rkey = (
+            RecordKey.hashed(_text(ns), digest)
+            if key == b""
+            else RecordKey(_text(ns), _text(scope), _text(key), digest)
+        )
+        found.append(StaleRecord(rkey, record))
     return found

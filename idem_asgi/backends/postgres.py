@@ -39,6 +39,20 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise MissingExtra("PostgresBackend needs asyncpg: pip install 'idem-asgi[postgres]'") from exc
 
 logger = logging.getLogger("idem_asgi")
+HASHED: Final = "\x1f"
+"""Marks a `key` column holding a digest: no raw key starts with it (header keys are visible ASCII,
+derived keys start with their method)."""
+
+
+def _row_key(namespace: str, scope: str, key: str, store_keys: bool) -> RecordKey:
+    """The key of a row: known by its digest, or by raw columns (marked, where this backend would
+    look it up by the digest: a row of an earlier version, or of an app that keeps raw keys)."""
+    if key.startswith(HASHED) and not scope:
+        return RecordKey.hashed(namespace, key[1:])
+    built = RecordKey.build(namespace, scope, key)
+    return built if store_keys else RecordKey(namespace, built.scope, key, built.digest, stored_raw=True)
+
+
 _IDENT: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 _headers_encode = msgspec.msgpack.Encoder().encode
 _headers_decode = msgspec.msgpack.Decoder(list[tuple[bytes, bytes]]).decode
@@ -52,9 +66,16 @@ class PostgresBackend(ClosingMixin):
         table: Table name, optionally `schema.table`.
         timeout: Bound in seconds on each store call, waiting for a pooled connection included;
             a call that runs out answers `BackendUnavailable` (the middleware's 503).
+        store_keys: Keep the raw scope and key in their columns, for the ops tools to display.
+            By default (False) a row holds only the namespace and the key's SHA-256 digest
+            (`scope` empty, `key` = `\x1f<digest>`): nothing a client sent as its key, nor the
+            tenant or user it is scoped by, sits in the table. `idem-asgi migrate` rewrites rows
+            of earlier versions.
     """
 
-    def __init__(self, pool: Any = None, *, table: str = "idem_records", timeout: float = 5.0) -> None:
+    def __init__(
+        self, pool: Any = None, *, table: str = "idem_records", timeout: float = 5.0, store_keys: bool = False
+    ) -> None:
         parts = table.split(".")
         if len(parts) > 2 or not all(_IDENT.fullmatch(p) for p in parts):
             raise ConfigurationError(f"invalid table name {table!r}")
@@ -66,6 +87,7 @@ class PostgresBackend(ClosingMixin):
         schema = f'"{parts[0]}".' if len(parts) == 2 else ""
         self._relations = [self.table, *(schema + name for name in self._indexes.values())]
         self._timeout = timeout
+        self.store_keys = store_keys
         self._pool = pool
         self._dsn: str | None = None
         self._pool_options: dict[str, Any] = {}
@@ -100,6 +122,7 @@ class PostgresBackend(ClosingMixin):
         table: str = "idem_records",
         timeout: float = 5.0,
         create_table: bool = True,
+        store_keys: bool = False,
         **pool_options: Any,
     ) -> PostgresBackend:
         """A backend that creates (and owns) its pool on first use, and its table if missing.
@@ -117,7 +140,7 @@ class PostgresBackend(ClosingMixin):
         with a reset hook that sends nothing unless you pass `reset` (the backend leaves no session
         state behind, and asyncpg's reset query would double the round trips).
         """
-        backend = cls(table=table, timeout=timeout)
+        backend = cls(table=table, timeout=timeout, store_keys=store_keys)
         backend._dsn = dsn
         backend._create_table = create_table
         server_settings = {"default_transaction_isolation": "read committed", **pool_options.pop("server_settings", {})}
@@ -213,9 +236,55 @@ class PostgresBackend(ClosingMixin):
         except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
             raise wrapped(exc, self.table) from exc
 
+    def _id(self, key: RecordKey) -> tuple[str, str, str]:
+        """The row's (namespace, scope, key) columns: the raw values, or the digest alone."""
+        if key.stored_raw or (self.store_keys and not key.hidden):
+            return key.namespace, key.scope, key.key
+        return key.namespace, "", HASHED + key.digest
+
+    async def hash_stored_keys(self, batch_size: int = 1000) -> tuple[int, int]:
+        """Rewrite rows that hold a raw scope and key (earlier versions, or `store_keys=True`) to the
+        digest alone, in batches of short transactions; `idem-asgi migrate` runs it. Returns
+        (rewritten, left): a row whose digest row already exists (claimed again by a newer version
+        meanwhile) is left as it is, to expire with its TTL."""
+        pool = await self._get_pool()
+        t = self.table
+        rewritten = left = 0
+        last = ("", "", "")
+        try:
+            async with pool.acquire(timeout=self.timeout) as conn:
+                while True:
+                    rows = await conn.fetch(
+                        f"SELECT namespace, scope, key FROM {t} WHERE left(key, 1) <> $4 "
+                        "AND (namespace, scope, key) > ($1, $2, $3) ORDER BY namespace, scope, key LIMIT $5",
+                        *last,
+                        HASHED,
+                        batch_size,
+                        timeout=self.timeout,
+                    )
+                    if not rows:
+                        return rewritten, left
+                    for namespace, scope, key in rows:
+                        digest = RecordKey.build(namespace, scope, key).digest
+                        try:
+                            await conn.execute(
+                                f"UPDATE {t} SET scope = '', key = $4 WHERE namespace = $1 AND scope = $2 AND key = $3",
+                                namespace,
+                                scope,
+                                key,
+                                HASHED + digest,
+                                timeout=self.timeout,
+                            )
+                            rewritten += 1
+                        except asyncpg.UniqueViolationError:
+                            left += 1
+                    last = tuple(rows[-1])
+        except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
+            raise wrapped(exc, self.table) from exc
+
     async def _claim(self, key: RecordKey, fingerprint: bytes, lease: float, ttl: float, token: int) -> ClaimResult:
         pool = await self._get_pool()
-        args = (key.namespace, key.scope, key.key, fingerprint, token, lease, ttl)
+        args = (*self._id(key), fingerprint, token, lease, ttl)
         for _ in range(5):
             row, _retried = await self._runner.run_again(pool, "fetchrow", self.sql.claim, *args)
             if row is None:
@@ -245,7 +314,7 @@ class PostgresBackend(ClosingMixin):
         # A takeover whose reply is lost is not swept: it may carry an answer the recover hook supplied.
         pool = await self._get_pool()
         token = new_token()
-        args = (key.namespace, key.scope, key.key, fingerprint, token, lease, ttl, stale_token)
+        args = (*self._id(key), fingerprint, token, lease, ttl, stale_token)
         for _ in range(5):
             row, _retried = await self._runner.run_again(pool, "fetchrow", self.sql.takeover, *args)
             if row is None:
@@ -262,7 +331,7 @@ class PostgresBackend(ClosingMixin):
 
     async def complete(self, key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
         pool = await self._get_pool()
-        args = (key.namespace, key.scope, key.key, token)
+        args = (*self._id(key), token)
         trailers = None if response.trailers is None else _headers_encode(response.trailers)
         payload = (
             response.status,
@@ -284,23 +353,17 @@ class PostgresBackend(ClosingMixin):
     async def release(self, key: RecordKey, token: int) -> bool:
         pool = await self._get_pool()
         # Safe to run twice: a second DELETE under the same token finds nothing (False, harmlessly).
-        status, _ = await self._runner.run_again(
-            pool, "execute", self.sql.release, key.namespace, key.scope, key.key, token
-        )
+        status, _ = await self._runner.run_again(pool, "execute", self.sql.release, *self._id(key), token)
         return bool(status == "DELETE 1")
 
     async def extend(self, key: RecordKey, token: int, *, lease: float) -> bool:
         pool = await self._get_pool()
-        status = await self._runner.run(
-            pool, "execute", self.sql.extend, key.namespace, key.scope, key.key, token, lease
-        )
+        status = await self._runner.run(pool, "execute", self.sql.extend, *self._id(key), token, lease)
         return bool(status == "UPDATE 1")
 
     async def mark_failed(self, key: RecordKey, token: int) -> bool:
         pool = await self._get_pool()
-        status, _ = await self._runner.run_again(
-            pool, "execute", self.sql.fail, key.namespace, key.scope, key.key, token
-        )
+        status, _ = await self._runner.run_again(pool, "execute", self.sql.fail, *self._id(key), token)
         return bool(status == "UPDATE 1")
 
     async def checkpoint(self, step: str, *, key: RecordKey | None = None, token: int | None = None) -> None:
@@ -318,15 +381,13 @@ class PostgresBackend(ClosingMixin):
             key, token = claim.rkey, claim.token
             assert key is not None
         pool = await self._get_pool()
-        status = await self._runner.run(
-            pool, "execute", self.sql.checkpoint, key.namespace, key.scope, key.key, token, step
-        )
+        status = await self._runner.run(pool, "execute", self.sql.checkpoint, *self._id(key), token, step)
         if status != "UPDATE 1":
             raise ClaimLost(f"the claim on key {key.key!r} is no longer held; checkpoint not recorded")
 
     async def get(self, key: RecordKey) -> Record | None:
         pool = await self._get_pool()
-        row = await self._runner.run(pool, "fetchrow", self.sql.get, key.namespace, key.scope, key.key)
+        row = await self._runner.run(pool, "fetchrow", self.sql.get, *self._id(key))
         return None if row is None else _record(row)
 
     async def purge(self, batch_size: int = 1000, *, max_batches: int | None = None) -> int:
@@ -362,7 +423,10 @@ class PostgresBackend(ClosingMixin):
         """
         pool = await self._get_pool()
         rows = await self._runner.run(pool, "fetch", self.sql.stale, float(older_than), limit, namespace)
-        return [StaleRecord(RecordKey.build(row[14], row[15], row[16]), _record(row), row[1] == b"e") for row in rows]
+        return [
+            StaleRecord(_row_key(row[14], row[15], row[16], self.store_keys), _record(row), row[1] == b"e")
+            for row in rows
+        ]
 
     def transaction(self, connection: Any = None) -> contextlib.AbstractAsyncContextManager[Any]:
         """A transaction whose commit also records that this request's effect happened.
@@ -402,9 +466,7 @@ class PostgresBackend(ClosingMixin):
         holder: if that one commits after all, the takeover fails, and the other way round.
         """
         pool = await self._get_pool()
-        state = await self._runner.run(
-            pool, "fetchval", self.sql.holder, key.namespace, key.scope, key.key, record.token
-        )
+        state = await self._runner.run(pool, "fetchval", self.sql.holder, *self._id(key), record.token)
         return "run" if state == b"p" else None
 
     # -- claims whose reply was lost -------------------------------------------------------
@@ -417,7 +479,7 @@ class PostgresBackend(ClosingMixin):
     async def _abandon_claim(self, entry: tuple[RecordKey, int]) -> bool:
         key, token = entry
         pool = await self._get_pool()
-        status = await self._runner.run(pool, "execute", self.sql.release, key.namespace, key.scope, key.key, token)
+        status = await self._runner.run(pool, "execute", self.sql.release, *self._id(key), token)
         if status == "DELETE 1":
             logger.info("idem_asgi: removed an unanswered claim on key %r", key.key)
             return True

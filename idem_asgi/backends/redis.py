@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 from ..errors import BackendUnavailable, ConfigurationError, MissingExtra
 from ..records import (
@@ -50,7 +50,7 @@ from ._orphans import OrphanSweeper
 from ._redis_durable import run_then_wait
 from ._redis_notices import Notices
 from ._redis_scripts import ABANDON, CLAIM, COMPLETE, EXTEND, FAIL, READ, RELEASE, TAKEOVER, WATCH
-from ._redis_stale import scan_stale
+from ._redis_stale import _glob_escape, scan_stale
 
 try:
     import redis.asyncio as aioredis
@@ -72,10 +72,6 @@ logger = logging.getLogger("idem_asgi")
 
 def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
-
-
-def _names(key: RecordKey) -> tuple[bytes, bytes, bytes]:
-    return _utf8(key.namespace), _utf8(key.scope), _utf8(key.key)
 
 
 def _utf8(text: str) -> bytes:
@@ -120,6 +116,10 @@ class RedisBackend(ClosingMixin):
             asynchronous replication, where a failover can lose acknowledged claims. On a
             cluster, N replicas of the record's shard.
         durable_timeout: Seconds to wait for the replicas; default half of `timeout`.
+        store_keys: Keep the raw scope and key in the record (fields `o`, `k`), for the ops tools
+            to display. By default (False) only the namespace is kept beside the digest the key is
+            named by: no client key, tenant or user sits in Redis. `idem-asgi migrate` blanks the
+            fields in records of earlier versions.
     """
 
     def __init__(
@@ -131,6 +131,7 @@ class RedisBackend(ClosingMixin):
         timeout: float = 2.0,
         durable_replicas: int = 0,
         durable_timeout: float | None = None,
+        store_keys: bool = False,
         _owned: bool = False,
         _lean: RespPool | None = None,
     ) -> None:
@@ -151,6 +152,7 @@ class RedisBackend(ClosingMixin):
                 f"durable_timeout must be more than 0 and less than timeout ({timeout}s), got {durable_timeout!r}"
             )
         self.durable_replicas = durable_replicas
+        self.store_keys = store_keys
         self._sentinel: Any = None  # from_url's Sentinel (redis+sentinel://), closed with the client
         self._durable_ms = _ms(durable_timeout)
         # from_url's lean connection pool (see _resp.py) serves the hot script calls; the
@@ -221,7 +223,11 @@ class RedisBackend(ClosingMixin):
         (`_resp.RespPool`, hiredis; same size, timeout and one-retry rules) that costs a fraction
         of redis-py's CPU per call; the redis-py client then serves only the ops tools.
         """
-        durable = {k: client_options.pop(k) for k in ("durable_replicas", "durable_timeout") if k in client_options}
+        durable = {
+            k: client_options.pop(k)
+            for k in ("durable_replicas", "durable_timeout", "store_keys")
+            if k in client_options
+        }
         options: dict[str, Any] = {
             "socket_timeout": timeout,
             "socket_connect_timeout": timeout,
@@ -254,6 +260,12 @@ class RedisBackend(ClosingMixin):
         if RespPool is not None:
             lean = RespPool.from_url(url, timeout=timeout, max_connections=max_connections, options=client_options)
         return cls(client, prefix=prefix, timeout=timeout, _owned=True, _lean=lean, **durable)
+
+    def _names(self, key: RecordKey) -> tuple[bytes, bytes, bytes]:
+        """Namespace, scope and key as kept in the record: the scope and key only with `store_keys`."""
+        if self.store_keys and not key.hidden:
+            return _utf8(key.namespace), _utf8(key.scope), _utf8(key.key)
+        return _utf8(key.namespace), b"", b""
 
     def _key(self, key: RecordKey) -> str:
         return f"{self.prefix}{{{key.digest}}}"
@@ -303,7 +315,7 @@ class RedisBackend(ClosingMixin):
     async def claim(self, key: RecordKey, fingerprint: bytes, *, lease: float, ttl: float) -> ClaimResult:
         token = new_token()
         name = self._key(key)
-        args = (fingerprint, token, _ms(lease), _ms(ttl), *_names(key))
+        args = (fingerprint, token, _ms(lease), _ms(ttl), *self._names(key))
         try:
             if self.durable_replicas:
                 reply, acked = await self._call_durable(self._claim, name, *args)
@@ -360,7 +372,7 @@ class RedisBackend(ClosingMixin):
         # expires into outcome-unknown, and recovery is asked again.
         token = new_token()
         name = self._key(key)
-        args = (stale_token, fingerprint, token, _ms(lease), _ms(ttl), *_names(key))
+        args = (stale_token, fingerprint, token, _ms(lease), _ms(ttl), *self._names(key))
         if self.durable_replicas:
             reply, acked = await self._call_durable(self._takeover, name, *args)
         else:
@@ -458,6 +470,39 @@ class RedisBackend(ClosingMixin):
             raise ValueError("scan_count must be at least 1")
         return await scan_stale(self, older_than, limit, namespace, scan_count)
 
+    async def hash_stored_keys(self, scan_count: int = 500) -> tuple[int, int]:
+        """Blank the raw scope and key (fields `o`, `k`) in records of earlier versions or of
+        `store_keys=True`, walking `prefix*` with `SCAN` (every primary of a cluster) and fixing
+        each batch in one pipelined round trip; `idem-asgi migrate` runs it. Returns (rewritten, 0)."""
+        rewritten = 0
+        async with self._tool_call():
+            client = self.client
+            nodes: list[Any] = list(client.get_primaries()) if self._cluster else [None]
+            for node in nodes:
+                options: dict[str, Any] = {} if node is None else {"target_nodes": node}
+                cursor: Any = 0
+                while True:
+                    cursor, names = await client.scan(
+                        cursor, match=_glob_escape(self.prefix) + "{*}", count=scan_count, **options
+                    )
+                    if isinstance(cursor, dict):
+                        cursor = cursor[node.name]
+                    if names:
+                        pipe = client.pipeline(transaction=False) if node is None else client.pipeline()
+                        for name in names:
+                            pipe.hmget(name, "o", "k")
+                        fields = await pipe.execute()
+                        raw = [n for n, (o, k) in zip(names, fields, strict=True) if o or k]
+                        if raw:
+                            pipe = client.pipeline(transaction=False) if node is None else client.pipeline()
+                            for name in raw:
+                                # Only where the record still exists: never recreate an expired key.
+                                pipe.eval(_BLANK_NAMES, 1, name)
+                            rewritten += sum(int(r) for r in await pipe.execute())
+                    if int(cursor) == 0:
+                        break
+        return rewritten, 0
+
     async def purge(self, batch_size: int = 1000) -> int:
         """Nothing to do: every record key carries its TTL (`PEXPIRE`), so Redis deletes it itself.
 
@@ -493,6 +538,13 @@ class RedisBackend(ClosingMixin):
         if self._sentinel is not None:
             for sentinel in self._sentinel.sentinels:
                 await sentinel.aclose()
+
+
+_BLANK_NAMES: Final = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'o', '', 'k', '')
+return 1
+"""
 
 
 def _decodes(client: Any) -> bool:

@@ -11,6 +11,7 @@ from collections import Counter
 from typing import Any
 
 from idem_asgi._types import Receive, Scope, Send
+from idem_asgi.problems import slug_of
 from tests.support.asgi import drive, http_scope
 
 
@@ -49,7 +50,7 @@ class Answer:
     def problem(self) -> str | None:
         if self.headers.get(b"content-type") != b"application/problem+json":
             return None
-        return str(json.loads(self.body)["type"]).rsplit(":", 1)[-1]
+        return slug_of(str(json.loads(self.body)["type"])) or ""
 
 
 async def post(app: Any, key: str, body: bytes = b'{"amount": 10}') -> Answer:

@@ -38,6 +38,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from idem_asgi.problems import slug_of
 from tests.support.asgi import Result, drive, http_scope
 from tests.support.servers import POSTGRES_DSN, REDIS_URL
 
@@ -76,7 +77,7 @@ class Answer:
         if self.header(b"content-type") != b"application/problem+json":
             return None
         try:
-            return str(json.loads(self.body)["type"]).rsplit(":", 1)[-1]
+            return slug_of(str(json.loads(self.body)["type"])) or ""
         except (ValueError, KeyError, TypeError):
             return "unparseable"
 

@@ -45,45 +45,71 @@ def store_url(name: str) -> str:
     return POSTGRES_DSN
 
 
-def store_from_url(url: str, *, prefix: str = "", table: str = TEST_TABLE, pool: int | None = None) -> Backend:
+def store_from_url(
+    url: str, *, prefix: str = "", table: str = TEST_TABLE, pool: int | None = None, store_keys: bool = False
+) -> Backend:
     """A store for `url` (`memory://`, `redis://`, `postgresql://`), not set up yet.
 
     `prefix` is the Redis key prefix, `table` the Postgres table; `pool` bounds the connections
-    (unset: the driver's default for Redis, 20 for Postgres).
+    (unset: the driver's default for Redis, 20 for Postgres); `store_keys` keeps raw keys (for
+    tests whose resolvers or listings need them; the default keeps digests, as the product does).
     """
     if url.startswith("memory://"):
         return MemoryBackend()
     if url.startswith(("postgres://", "postgresql://")):
         from idem_asgi.backends.postgres import PostgresBackend
 
-        return PostgresBackend.from_dsn(url, table=table, min_size=1, max_size=pool or 20)
+        return PostgresBackend.from_dsn(url, table=table, min_size=1, max_size=pool or 20, store_keys=store_keys)
     from idem_asgi.backends.redis import RedisBackend
 
     if pool is None:
-        return RedisBackend.from_url(url, prefix=prefix)
-    return RedisBackend.from_url(url, prefix=prefix, max_connections=pool)
+        return RedisBackend.from_url(url, prefix=prefix, store_keys=store_keys)
+    return RedisBackend.from_url(url, prefix=prefix, max_connections=pool, store_keys=store_keys)
 
 
 @overload
 async def make_backend(
-    name: Literal["memory"], *, prefix: str | None = ..., table: str = ..., pool: int | None = ...
+    name: Literal["memory"],
+    *,
+    prefix: str | None = ...,
+    table: str = ...,
+    pool: int | None = ...,
+    store_keys: bool = ...,
 ) -> MemoryBackend: ...
 @overload
 async def make_backend(
-    name: Literal["redis"], *, prefix: str | None = ..., table: str = ..., pool: int | None = ...
+    name: Literal["redis"],
+    *,
+    prefix: str | None = ...,
+    table: str = ...,
+    pool: int | None = ...,
+    store_keys: bool = ...,
 ) -> RedisBackend: ...
 @overload
 async def make_backend(
-    name: Literal["postgres"], *, prefix: str | None = ..., table: str = ..., pool: int | None = ...
+    name: Literal["postgres"],
+    *,
+    prefix: str | None = ...,
+    table: str = ...,
+    pool: int | None = ...,
+    store_keys: bool = ...,
 ) -> PostgresBackend: ...
 @overload
-async def make_backend(name: str, *, prefix: str | None = ..., table: str = ..., pool: int | None = ...) -> Backend: ...
 async def make_backend(
-    name: str, *, prefix: str | None = None, table: str = TEST_TABLE, pool: int | None = None
+    name: str, *, prefix: str | None = ..., table: str = ..., pool: int | None = ..., store_keys: bool = ...
+) -> Backend: ...
+async def make_backend(
+    name: str,
+    *,
+    prefix: str | None = None,
+    table: str = TEST_TABLE,
+    pool: int | None = None,
+    store_keys: bool = False,
 ) -> Any:
     """A fresh, isolated backend of the named kind: its own key prefix (`idem-test:<uuid>:` unless
     given) on Redis, the table set up on Postgres. Skips (fails under CI) when the server is missing."""
-    store = store_from_url(store_url(name), prefix=prefix or f"idem-test:{uuid.uuid4().hex}:", table=table, pool=pool)
+    prefix = prefix or f"idem-test:{uuid.uuid4().hex}:"
+    store = store_from_url(store_url(name), prefix=prefix, table=table, pool=pool, store_keys=store_keys)
     if name == "postgres":
         from idem_asgi.backends.postgres import PostgresBackend
 
