@@ -238,7 +238,7 @@ class Protected:
             await self._run(result.token)
         elif action is Action.REPLAY:
             assert isinstance(result, Existing) and result.record.response is not None
-            await self._replay(result.record.response, result.record.expires_at)
+            await self._replay(self._opened(result.record.response), result.record.expires_at)
         elif action is Action.MISMATCH:
             raise Refused(problems.FINGERPRINT_MISMATCH, event=None)
         elif action is Action.IN_PROGRESS:
@@ -336,7 +336,7 @@ class Protected:
             if record.effect_committed:
                 # Never taken over (that could run the effect again): the answer goes under the holder's token.
                 assert isinstance(outcome, StoredResponse)
-                if not await backend.complete(rkey, record.token, outcome, ttl=route.ttl):
+                if not await backend.complete(rkey, record.token, self._sealed(outcome), ttl=route.ttl):
                     raise Refused(
                         problems.IN_PROGRESS, "The request is being recovered.", retry_after=route.retry_after
                     )
@@ -348,7 +348,7 @@ class Protected:
             if isinstance(taken, Claimed):
                 self.mw.emit("recovered", route, rkey)
                 if isinstance(outcome, StoredResponse):
-                    await backend.complete(rkey, taken.token, outcome, ttl=route.ttl)
+                    await backend.complete(rkey, taken.token, self._sealed(outcome), ttl=route.ttl)
                     return outcome
             return taken
         except Refused:
@@ -422,7 +422,14 @@ class Protected:
             self._ended(None)
             return
         try:
-            stored = await self.mw.backend.complete(rkey, self.token, response, ttl=route.ttl)
+            sealed = self._sealed(response)
+        except Exception as exc:  # the client still gets its answer; the claim stays, as after a failed write
+            self._ended(None)
+            self.mw.emit("store_error", route, rkey, response.status)
+            throttled(logging.ERROR, f"idem_asgi: the answer transform failed; key {rkey.key!r} not stored: {exc!r}")
+            return
+        try:
+            stored = await self.mw.backend.complete(rkey, self.token, sealed, ttl=route.ttl)
         except Exception as exc:
             self._ended(None)
             self.mw.emit("store_error", route, rkey, response.status)
@@ -431,7 +438,7 @@ class Protected:
             store_failed(f"could not store the answer for key {rkey.key!r}; retrying in the background", exc)
             status = response.status
             if not self.mw.late.retry(
-                rkey, self.token, response, route.ttl, lambda n: self.mw.emit(n, route, rkey, status)
+                rkey, self.token, sealed, route.ttl, lambda n: self.mw.emit(n, route, rkey, status)
             ):
                 logger.error("idem_asgi: too many answers waiting for the store; key %r is not retried", rkey.key)
             return
@@ -490,6 +497,24 @@ class Protected:
             self.mw.emit("unresolved", route, rkey, status)
         else:
             self.mw.emit("lease_lost", route, rkey, status)
+
+    def _sealed(self, response: StoredResponse) -> StoredResponse:
+        """The answer as the store keeps it (the middleware's `transform`)."""
+        transform = self.mw.transform
+        return response if transform is None else transform.store(response)
+
+    def _opened(self, response: StoredResponse) -> StoredResponse:
+        """A stored answer as it is replayed; a transform that cannot open it is a server misconfiguration."""
+        transform = self.mw.transform
+        if transform is None:
+            return response
+        try:
+            return transform.load(response)
+        except Exception as exc:
+            throttled(logging.ERROR, f"idem_asgi: the answer transform cannot read a stored answer: {exc!r}")
+            raise Refused(
+                problems.STORE_MISCONFIGURED, "A stored answer cannot be read with this server's transform."
+            ) from None
 
     async def _replay(self, response: StoredResponse, expires_at: float) -> None:
         """Send the stored answer verbatim, marked as a replay (and, if asked, when it expires)."""

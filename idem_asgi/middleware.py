@@ -27,6 +27,7 @@ from .observe import Event, EventName, Observer
 from .policy import RecoverHook, RoutePolicy
 from .records import RecordKey
 from .routing import Route, RouteTable, route_path
+from .transform import AnswerTransform
 
 logger = logging.getLogger("idem_asgi")
 
@@ -56,6 +57,9 @@ class IdempotencyMiddleware:
         replay_header: Header added to replays.
         observer: Called with an `Event` at each decision (`idem_asgi.observe`: counters, logs,
             Prometheus, OpenTelemetry); its exceptions are logged and ignored.
+        transform: Applied to answers on their way into the store and back (`idem_asgi.transform`:
+            `EncryptBody(fernet.encrypt, fernet.decrypt)`), so no response body sits in the store
+            in clear; None stores them verbatim.
         problem_base: URL the problem `type`s are built from (`<base><slug>`, also sent as
             `Link: <...>; rel="describedby"`); default this project's docs/problems.md. Point it at
             your own API docs to publish the page under your domain.
@@ -76,8 +80,12 @@ class IdempotencyMiddleware:
         replay_header: str = "Idempotent-Replayed",
         observer: Observer | None = None,
         problem_base: str = problems.DEFAULT_PROBLEM_BASE,
+        transform: AnswerTransform | None = None,
     ) -> None:
         self.app = app
+        if transform is not None and not isinstance(transform, AnswerTransform):
+            raise ConfigurationError(f"transform {transform!r} needs store(response) and load(response) methods")
+        self.transform = transform
         self.problem_base = problems.check_base(problem_base)
         self._observer = observer
         self.observed = observer is not None  # checked before building an event on the hot path

@@ -32,6 +32,7 @@ from ._logging import redact
 from .backends._protocol import Backend, Maintenance
 from .errors import ConfigurationError
 from .records import IN_PROGRESS, Claimed, Record, RecordKey, StaleRecord, StoredResponse
+from .transform import AnswerTransform
 
 __all__ = [
     "ReconcilableBackend",
@@ -121,6 +122,7 @@ async def reconcile(
     namespace: str | None = None,
     dry_run: bool = False,
     concurrency: int = 1,
+    transform: AnswerTransform | None = None,
 ) -> ReconcileReport:
     """Resolve up to `limit` claims whose lease ended more than `older_than` seconds ago.
 
@@ -138,6 +140,8 @@ async def reconcile(
         namespace: Only this namespace's claims (another app's claims need another resolver).
         dry_run: Ask `resolve` but write nothing; the counts say what would have been done.
         concurrency: Claims resolved at once (each `resolve` may call a payment provider).
+        transform: The middleware's `transform`, if it has one: resolved answers are stored through
+            it, so its replays can open them.
     """
     if concurrency < 1:
         raise ConfigurationError(f"concurrency must be at least 1, got {concurrency!r}")
@@ -149,7 +153,9 @@ async def reconcile(
 
     async def one(s: StaleRecord) -> None:
         async with slots:
-            action, detail = await _resolve_one(backend, resolve, s, ttl=ttl, lease=lease, dry_run=dry_run)
+            action, detail = await _resolve_one(
+                backend, resolve, s, ttl=ttl, lease=lease, dry_run=dry_run, transform=transform
+            )
         k = s.key
         report.count(
             ReconcileItem(k.namespace, k.scope, k.key, s.record.token, s.record.lease_until, action, detail, k.digest)
@@ -173,6 +179,7 @@ async def _resolve_one(
     ttl: float | None,
     lease: float,
     dry_run: bool,
+    transform: AnswerTransform | None = None,
 ) -> tuple[Action, str]:
     try:
         outcome = resolve(s)
@@ -202,6 +209,8 @@ async def _resolve_one(
     if keep is None and isinstance(outcome, StoredResponse):
         return "skipped", "its TTL is not stored (an older record): pass ttl= (--ttl) to store an answer"
     try:
+        if transform is not None and isinstance(outcome, StoredResponse):
+            outcome = transform.store(outcome)
         return await _apply(backend, s, outcome, ttl=keep or lease, lease=lease)
     except Exception as exc:
         logger.warning("idem_asgi: reconcile could not write the outcome for key %r: %s", s.key.key, exc)

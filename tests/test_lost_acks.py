@@ -192,7 +192,9 @@ class Rig:
         if self.kind == "redis":
             name = self.backend._key(RecordKey.build(self.namespace, None, key))
             return evalsha_of(CLAIM if target == "claim" else COMPLETE, name)
-        return pg_execute("WITH cur AS" if target == "claim" else "SET state = 'c'", param=key.encode())
+        # The row's key column is the digest (keys are hashed at rest)
+        row_key = self.backend._id(RecordKey.build(self.namespace, None, key))[2]
+        return pg_execute("WITH cur AS" if target == "claim" else "SET state = 'c'", param=row_key.encode())
 
     async def store_state(self, key: str) -> str:
         record = await self.direct.get(RecordKey.build(self.namespace, None, key))

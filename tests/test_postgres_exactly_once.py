@@ -29,6 +29,7 @@ import httpx
 import pytest
 
 from idem_asgi.backends.postgres import PostgresBackend
+from idem_asgi.records import RecordKey
 from tests.support.servers import POSTGRES_DSN, UvicornProcess, require
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
@@ -175,8 +176,8 @@ async def test_sigkill_mid_request_leaves_exactly_one_ledger_row_per_key(
         assert {k: counts[k] for k in naive} == dict.fromkeys(naive, 2)  # the control: ran twice
         # What a reconcile job sees: the after-commit claims, effect committed, answer lost.
         async with PostgresBackend.from_dsn(POSTGRES_DSN, table=records, min_size=1, max_size=1) as b:
-            stale = {s.key.key: s.effect_committed for s in await b.stale(0)}
-        assert stale == dict.fromkeys(after, True)
+            stale = {s.key.digest: s.effect_committed for s in await b.stale(0)}
+        assert stale == {RecordKey.build("idem", None, k).digest: True for k in after}  # xo_app: the default namespace
         print(
             f"\n[sigkill] ledger rows per key: done {[counts[k] for k in done]}, in-transaction "
             f"{[counts[k] for k in in_tx]}, after-commit {[counts[k] for k in after]}, naive control "

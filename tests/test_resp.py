@@ -207,7 +207,7 @@ async def test_a_users_own_client_serves_the_ops_tools_and_the_lean_pool_the_req
                 claimed = await backend.claim(rk(), b"fp", lease=30, ttl=60)
                 assert isinstance(claimed, Claimed)
                 assert isinstance(await backend.claim(rk(), b"fp", lease=30, ttl=60), Existing)
-                assert [s.key.key for s in await backend.stale(older_than=-3600)] == [rk().key]
+                assert [s.key.digest for s in await backend.stale(older_than=-3600)] == [rk().digest]
                 assert await client.ping()  # still the user's, and still open after aclose below
             assert await client.dbsize() == 1
             listed = await client.client_list()
@@ -242,7 +242,7 @@ async def test_auth_and_select_from_the_url(tmp_path: Path) -> None:
                 claimed = await backend.claim(rk(), b"fp", lease=30, ttl=60)
                 assert isinstance(claimed, Claimed)
                 assert isinstance(await backend.claim(rk(), b"fp", lease=30, ttl=60), Existing)
-                assert [s.key.key for s in await backend.stale(older_than=-3600)] == [rk().key]
+                assert [s.key.digest for s in await backend.stale(older_than=-3600)] == [rk().digest]
         finally:
             await admin.aclose()
 
