@@ -188,7 +188,8 @@ def _form_leaves(body: bytes) -> Iterator[tuple[tuple[str | int, ...], Any]]:
     # Strict UTF-8 (raw and percent-encoded): a body that is not is compared as raw bytes instead.
     for name, value in parse_qsl(body.decode("utf-8"), keep_blank_values=True, errors="strict"):
         leaf: list[str | int] = []
-        for segment in _path(name) if name else ("",):
+        # A name with no segment at all ("", ".", "[]"...) is one field named as sent.
+        for segment in _path(name) if _SEGMENT.search(name) and name.strip(".") else (name,):
             if segment is None:  # "expand[]": the nth repeat of this name
                 segment = seen[name] = seen.get(name, -1) + 1
             leaf.append(segment)

@@ -1,0 +1,112 @@
+"""`@idempotent` and `claim`: background jobs run once per key in the same stores and records as
+HTTP requests, on every store; concurrency claims proven with many tasks."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+
+import pytest
+
+from idem_asgi.backends import Backend
+from idem_asgi.errors import ConfigurationError
+from idem_asgi.jobs import InProgress, KeyReused, OutcomeUnknown, claim, current_job, idempotent
+from idem_asgi.records import COMPLETED, IN_PROGRESS, RecordKey
+
+
+@dataclass
+class Receipt:
+    order_id: str
+    amount: int
+    charge: int
+
+
+async def test_once_per_key_under_concurrency_and_the_stored_result_is_returned(backend: Backend) -> None:
+    runs: list[str] = []
+    namespace = f"jobs-{uuid.uuid4().hex}"
+
+    @idempotent(backend, key=lambda order_id, amount: f"charge:{order_id}", namespace=namespace, wait=5)
+    async def charge(order_id: str, amount: int) -> Receipt:
+        runs.append(order_id)
+        await asyncio.sleep(0.05)
+        return Receipt(order_id, amount, len(runs))
+
+    orders = [uuid.uuid4().hex for _ in range(20)]
+    results = await asyncio.gather(*(charge(o, 100) for o in orders for _ in range(10)))  # 200 calls
+    assert sorted(runs) == sorted(orders), "each order charged exactly once"
+    by_order: dict[str, set[int]] = {}
+    for r in results:
+        assert isinstance(r, Receipt)  # decoded to the return annotation
+        by_order.setdefault(r.order_id, set()).add(r.charge)
+    assert all(len(charges) == 1 for charges in by_order.values()), "every repeat got the first result"
+    record = await backend.get(RecordKey.build(namespace, None, f"charge:{orders[0]}"))
+    assert record is not None and record.state == COMPLETED  # an ordinary record: stale/reconcile/CLI see it
+
+
+async def test_other_arguments_same_key_and_a_running_repeat_raise_typed_errors(backend: Backend) -> None:
+    namespace = f"jobs-{uuid.uuid4().hex}"
+    gate = asyncio.Event()
+
+    @idempotent(backend, args=["order_id"], namespace=namespace)
+    async def charge(order_id: str, amount: int) -> int:
+        await gate.wait()
+        return amount
+
+    first = asyncio.create_task(charge("o1", 100))
+    await asyncio.sleep(0.05)
+    with pytest.raises(InProgress):
+        await charge("o1", 100)  # wait=0: at once
+    gate.set()
+    assert await first == 100
+    assert await charge("o1", 100) == 100
+    with pytest.raises(KeyReused):
+        await charge("o1", 999)
+
+
+async def test_an_exception_releases_unless_an_effect_was_marked(backend: Backend) -> None:
+    namespace = f"jobs-{uuid.uuid4().hex}"
+    calls = 0
+
+    @idempotent(backend, args=["n"], namespace=namespace)
+    async def flaky(n: int, effect: bool) -> int:
+        nonlocal calls
+        calls += 1
+        job = current_job()
+        assert job is not None and job.key.key == f"n={n}"
+        if effect:
+            job.mark_effect()  # the provider was called: never run again on its own
+        if calls in (1, 3):
+            raise RuntimeError("boom")
+        return n
+
+    with pytest.raises(RuntimeError):
+        await flaky(1, False)
+    assert await flaky(1, False) == 1 and calls == 2  # released: ran again
+    with pytest.raises(RuntimeError):
+        await flaky(2, True)
+    record = await backend.get(RecordKey.build(namespace, None, "n=2"))
+    assert record is not None and record.state == IN_PROGRESS and record.holder_failed
+    with pytest.raises(OutcomeUnknown):
+        await flaky(2, True)
+    assert calls == 3
+
+
+async def test_the_context_manager_form(backend: Backend) -> None:
+    key = uuid.uuid4().hex
+    async with claim(backend, key, namespace="jobs-cm") as job:
+        assert not job.done
+        await job.store({"sent": True})
+    async with claim(backend, key, namespace="jobs-cm") as again:
+        assert again.done and again.result is not None
+    async with claim(backend, key + "-nothing", namespace="jobs-cm") as job:
+        pass  # ended without storing: released, the next one runs
+    async with claim(backend, key + "-nothing", namespace="jobs-cm") as job:
+        assert not job.done
+
+
+def test_configuration_is_checked() -> None:
+    from idem_asgi.backends import MemoryBackend
+
+    with pytest.raises(ConfigurationError, match="exactly one of key"):
+        idempotent(MemoryBackend())
