@@ -13,6 +13,12 @@ if ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then
   for _ in $(seq 50); do redis-cli -h 127.0.0.1 ping >/dev/null 2>&1 && break; sleep 0.1; done
 fi
 
+if ! (exec 3<>/dev/tcp/127.0.0.1/5672) 2>/dev/null && command -v rabbitmq-server >/dev/null; then
+  echo "start-services: starting RabbitMQ on 127.0.0.1:5672"
+  rabbitmq-server -detached
+  for _ in $(seq 120); do (exec 3<>/dev/tcp/127.0.0.1/5672) 2>/dev/null && break; sleep 0.5; done
+fi
+
 if ! pg_isready -h 127.0.0.1 -p 5432 -q 2>/dev/null; then
   echo "start-services: starting PostgreSQL on 127.0.0.1:5432"
   version="$(ls /etc/postgresql | sort -V | tail -1)"

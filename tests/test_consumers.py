@@ -1,0 +1,189 @@
+"""RabbitMQ consumers apply each message once (`idem_asgi.consumers.rabbitmq_handler`), against the
+real broker on this machine (127.0.0.1:5672) and the shared Redis as the store; effects are counted
+by INCR in Redis, outside the adapter. Each test has its own quorum queue (`x-delivery-limit` 3) and
+dead-letter queue, deleted afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aio_pika
+import pytest
+import redis.asyncio as aioredis
+
+from idem_asgi.backends.redis import RedisBackend
+from idem_asgi.consumers import rabbitmq_handler
+from tests.support.scorecard import report
+from tests.support.servers import REDIS_URL, ROOT, require
+
+AMQP = os.environ.get("IDEM_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
+pytestmark = [pytest.mark.redis]
+DELIVERY_LIMIT = 3
+
+
+class Rig:
+    def __init__(self, run: str, connection: Any, channel: Any) -> None:
+        self.run = run
+        self.queue = f"idem-test-{run}"
+        self.dlq = f"idem-test-{run}-dead"
+        self.prefix = f"idem-test:{run}:"
+        self.counter = f"idem-test-effects:{run}:"
+        self.connection = connection
+        self.channel = channel
+        self.effects = aioredis.Redis.from_url(REDIS_URL)
+
+    async def publish(self, message_id: str, body: bytes = b'{"amount": 100}') -> None:
+        message = aio_pika.Message(body, message_id=message_id, delivery_mode=aio_pika.DeliveryMode.PERSISTENT)
+        await self.channel.default_exchange.publish(message, routing_key=self.queue)
+
+    async def counts(self, ids: list[str]) -> list[int]:
+        return [int(v or 0) for v in await self.effects.mget([self.counter + i for i in ids])]
+
+    async def depth(self, name: str) -> int:
+        async with self.connection.channel() as channel:  # a channel of its own for each look
+            queue = await channel.declare_queue(name, passive=True)
+            return int(queue.declaration_result.message_count)
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[Rig]:
+    require("rabbitmq", AMQP)
+    require("redis", REDIS_URL)
+    run = uuid.uuid4().hex[:10]
+    connection = await aio_pika.connect_robust(AMQP)
+    channel = await connection.channel()
+    r = Rig(run, connection, channel)
+    dead = await channel.declare_queue(r.dlq, durable=True)
+    dlx = await channel.declare_exchange(f"{r.queue}-dlx", aio_pika.ExchangeType.FANOUT, durable=True)
+    await dead.bind(dlx)
+    arguments = {"x-queue-type": "quorum", "x-delivery-limit": DELIVERY_LIMIT, "x-dead-letter-exchange": dlx.name}
+    await channel.declare_queue(r.queue, durable=True, arguments=arguments)
+    try:
+        yield r
+    finally:
+        async with connection.channel() as cleanup:
+            for name in (r.queue, r.dlq):
+                await cleanup.queue_delete(name)
+            await cleanup.exchange_delete(f"{r.queue}-dlx")
+        keys = [k async for k in r.effects.scan_iter(match=f"idem-test*{run}*")]
+        if keys:
+            await r.effects.delete(*keys)
+        await r.effects.aclose()
+        await connection.close()
+
+
+async def until(condition: Any, within: float) -> None:
+    deadline = time.monotonic() + within
+    while not await condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def consumer(rig: Rig, handle: Any) -> tuple[Any, RedisBackend]:
+    store = RedisBackend.from_url(REDIS_URL, prefix=rig.prefix)
+    channel = await rig.connection.channel()
+    await channel.set_qos(prefetch_count=10)
+    queue = await channel.get_queue(rig.queue)
+    await queue.consume(rabbitmq_handler(store, handle))
+    return channel, store
+
+
+async def test_each_message_published_twice_is_applied_once_by_two_competing_consumers(rig: Rig) -> None:
+    ran: list[str] = []
+
+    async def handle(message: Any) -> None:
+        ran.append(message.message_id)
+        await rig.effects.incr(rig.counter + message.message_id)
+        await asyncio.sleep(0.005)
+
+    ids = [f"pay-{i}" for i in range(200)]
+    first = await consumer(rig, handle)
+    second = await consumer(rig, handle)
+    for message_id in ids:
+        await rig.publish(message_id)
+    for message_id in reversed(ids):  # the duplicates, while the first copies are being applied
+        await rig.publish(message_id)
+
+    async def drained() -> bool:
+        return await rig.depth(rig.queue) == 0 and sum(await rig.counts(ids)) >= 200
+
+    await until(drained, 60)
+    await asyncio.sleep(0.5)  # any late duplicate would show now
+    counts = await rig.counts(ids)
+    for channel, store in (first, second):
+        await channel.close()
+        await store.aclose()
+    report({"test": "rabbitmq_competing_consumers", "published": 400, "effects": sum(counts)}, tag="CONSUMER")
+    assert counts == [1] * 200, {i: c for i, c in zip(ids, counts, strict=True) if c != 1}
+    assert await rig.depth(rig.dlq) == 0
+
+
+async def test_a_consumer_killed_after_the_effect_before_the_ack_never_applies_twice(rig: Rig) -> None:
+    env = {**os.environ, "IDEM_RABBIT_DIE_AFTER_STORE": "1", "PYTHONPATH": str(ROOT)}
+    dying = subprocess.Popen(  # noqa: ASYNC220 - started once; its output is read in a thread below
+        [sys.executable, "-m", "tests.rabbit_consumer", rig.queue, rig.prefix, rig.counter],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert dying.stdout is not None
+        assert (await asyncio.to_thread(dying.stdout.readline)).strip() == b"ready"
+        await rig.publish("pay-killed")
+        code = await asyncio.to_thread(dying.wait, 30)
+        assert code == -9, "the first consumer died by SIGKILL, after its effect, before its ack"
+    finally:
+        if dying.poll() is None:
+            dying.kill()
+            dying.wait(10)
+        if dying.stdout is not None:
+            dying.stdout.close()
+    assert await rig.counts(["pay-killed"]) == [1]
+    ran: list[str] = []
+
+    async def handle(message: Any) -> None:
+        ran.append(message.message_id)
+        await rig.effects.incr(rig.counter + message.message_id)
+
+    channel, store = await consumer(rig, handle)  # the second consumer: the broker redelivers to it
+
+    async def acked() -> bool:
+        return await rig.depth(rig.queue) == 0
+
+    await until(acked, 30)
+    await channel.close()
+    await store.aclose()
+    report({"test": "rabbitmq_sigkill_before_ack", "effects": (await rig.counts(["pay-killed"]))[0]}, tag="CONSUMER")
+    assert ran == [], "the redelivery was acked without running the handler"
+    assert await rig.counts(["pay-killed"]) == [1]
+
+
+async def test_a_poison_message_is_dead_lettered_after_a_bounded_number_of_attempts(rig: Rig) -> None:
+    attempts = 0
+
+    async def handle(message: Any) -> None:
+        nonlocal attempts
+        attempts += 1
+        raise RuntimeError("always fails")
+
+    channel, store = await consumer(rig, handle)
+    await rig.publish("pay-poison")
+
+    async def dead() -> bool:
+        return await rig.depth(rig.dlq) == 1
+
+    await until(dead, 30)
+    await asyncio.sleep(0.3)
+    await channel.close()
+    await store.aclose()
+    report({"test": "rabbitmq_poison", "attempts": attempts, "dead_lettered": 1}, tag="CONSUMER")
+    assert attempts == DELIVERY_LIMIT + 1, attempts  # the first delivery, then the limit's redeliveries
+    assert await rig.depth(rig.queue) == 0
