@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import tempfile
 import time
 import uuid
@@ -26,12 +25,7 @@ from typing import Any
 from benchmarks.bench_roundtrips import app, call, policy
 from idem_asgi import IdempotencyMiddleware
 from idem_asgi.backends.redis import RedisBackend
-from tests.support.servers import redis_process, replicas_confirm
-
-
-def _synced(primary: Any, replica: Any) -> bool:
-    info = subprocess.run(["redis-cli", "-p", str(replica.port), "info", "replication"], capture_output=True).stdout
-    return b"master_link_status:up" in info and replicas_confirm(primary, 1)
+from tests.support.servers import redis_process, replica_synced
 
 
 async def block(mw: IdempotencyMiddleware, n: int) -> tuple[list[float], list[float]]:
@@ -58,7 +52,7 @@ async def run(n: int, blocks: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as workdir, redis_process(Path(workdir) / "primary") as primary:
         args = ["--replicaof", "127.0.0.1", str(primary.port)]
         with redis_process(Path(workdir) / "replica", args=args) as replica:
-            while not _synced(primary, replica):  # noqa: ASYNC110 - bounded poll of a subprocess
+            while not replica_synced(primary, replica):  # noqa: ASYNC110 - bounded poll of a subprocess
                 await asyncio.sleep(0.05)
             stores = {r: RedisBackend.from_url(primary.url, durable_replicas=r) for r in (0, 1)}
             mws = {r: IdempotencyMiddleware(app, backend=s, routes=policy()) for r, s in stores.items()}

@@ -28,7 +28,7 @@ from idem_asgi.records import Claimed, RecordKey, StoredResponse
 from tests.support.asgi import drive, http_scope
 from tests.support.faultproxy import StoreProxy
 from tests.support.problems import assert_problem
-from tests.support.servers import RedisProcess, redis_cluster, redis_process, replicas_confirm
+from tests.support.servers import RedisProcess, redis_cluster, redis_process, replica_synced
 
 pytestmark = pytest.mark.redis
 
@@ -41,23 +41,10 @@ def pair(tmp_path: Path) -> Iterator[tuple[RedisProcess, RedisProcess]]:
         args = ["--replicaof", "127.0.0.1", str(primary.port)]
         with redis_process(tmp_path / "replica", args=args) as replica:
             deadline = time.monotonic() + 10
-            while not _synced(primary, replica):
+            while not replica_synced(primary, replica):
                 assert time.monotonic() < deadline, "replica never synced"
                 time.sleep(0.05)
             yield primary, replica
-
-
-def _synced(primary: RedisProcess, replica: RedisProcess) -> bool:
-    """The replica says its link is up and it confirms writes (what WAIT counts)."""
-    return b"master_link_status:up" in _info(replica) and replicas_confirm(primary, 1)
-
-
-def _info(server: RedisProcess) -> bytes:
-    import subprocess
-
-    return subprocess.run(
-        ["redis-cli", "-p", str(server.port), "info", "replication"], capture_output=True, check=True
-    ).stdout
 
 
 @pytest.fixture(params=["lean", "redis-py"])
@@ -157,7 +144,7 @@ async def test_promoting_a_replica_that_missed_a_claim(replicas: int, tmp_path: 
             args = ["--replicaof", "127.0.0.1", str(link.port)]
             with redis_process(tmp_path / "replica", args=args) as replica:
                 deadline = time.monotonic() + 10
-                while not await asyncio.to_thread(_synced, primary, replica):
+                while not await asyncio.to_thread(replica_synced, primary, replica):
                     assert time.monotonic() < deadline, "replica never synced"
                     await asyncio.sleep(0.05)  # the proxy runs on this loop
                 old = RedisBackend.from_url(primary.url, prefix=prefix, durable_replicas=replicas, timeout=1.0)

@@ -153,3 +153,11 @@ if not cur[1] then return {0, now} end
 return {1, now, cur[1], cur[2], cur[3], cur[4], cur[5], cur[6], cur[7]}
 """
 )
+
+# KEYS[1]. `idem-asgi migrate`: blank the raw scope and key of a record written with them, where the
+# record still exists (never recreate an expired key). 1 rewritten, 0 gone.
+BLANK_NAMES: Final = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'o', '', 'k', '')
+return 1
+"""

@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any, ClassVar, Final
+from typing import Any, ClassVar
 
 from ..errors import BackendUnavailable, ConfigurationError, MissingExtra
 from ..records import (
@@ -49,7 +49,7 @@ from ._base import ClosingMixin, new_token
 from ._orphans import OrphanSweeper
 from ._redis_durable import run_then_wait
 from ._redis_notices import Notices
-from ._redis_scripts import ABANDON, CLAIM, COMPLETE, EXTEND, FAIL, READ, RELEASE, TAKEOVER, WATCH
+from ._redis_scripts import ABANDON, BLANK_NAMES, CLAIM, COMPLETE, EXTEND, FAIL, READ, RELEASE, TAKEOVER, WATCH
 from ._redis_stale import _glob_escape, scan_stale
 
 try:
@@ -497,7 +497,7 @@ class RedisBackend(ClosingMixin):
                             pipe = client.pipeline(transaction=False) if node is None else client.pipeline()
                             for name in raw:
                                 # Only where the record still exists: never recreate an expired key.
-                                pipe.eval(_BLANK_NAMES, 1, name)
+                                pipe.eval(BLANK_NAMES, 1, name)
                             rewritten += sum(int(r) for r in await pipe.execute())
                     if int(cursor) == 0:
                         break
@@ -538,13 +538,6 @@ class RedisBackend(ClosingMixin):
         if self._sentinel is not None:
             for sentinel in self._sentinel.sentinels:
                 await sentinel.aclose()
-
-
-_BLANK_NAMES: Final = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HSET', KEYS[1], 'o', '', 'k', '')
-return 1
-"""
 
 
 def _decodes(client: Any) -> bool:

@@ -299,6 +299,12 @@ def replicas_confirm(primary: RedisProcess, replicas: int) -> bool:
         client.close()
 
 
+def replica_synced(primary: RedisProcess, replica: RedisProcess) -> bool:
+    """The replica says its link is up and it confirms the primary's writes (what WAIT counts)."""
+    info = redis_cli("-p", str(replica.port), "info", "replication", timeout=5)
+    return "master_link_status:up" in info and replicas_confirm(primary, 1)
+
+
 @contextlib.contextmanager
 def redis_sentinel(
     base: Path, *, replicas: int = 2
