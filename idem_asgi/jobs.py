@@ -20,6 +20,7 @@ import contextlib
 import functools
 import hashlib
 import inspect
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from contextvars import ContextVar
 from typing import Any, Final, ParamSpec, TypeVar, get_type_hints
@@ -30,6 +31,7 @@ import msgspec
 from ._decide import Action, decide
 from .backends import Backend
 from .errors import ConfigurationError, IdemError
+from .observe import Event, EventName, Observer
 from .records import Claimed, Existing, RecordKey, StoredResponse
 
 P = ParamSpec("P")
@@ -92,10 +94,17 @@ async def claim(
     ttl: float = 86_400,
     lease: float = 30,
     wait: float = 0,
+    observer: Observer | None = None,
 ) -> AsyncIterator[Job]:
     """The context-manager form: `async with claim(backend, "k") as job:` then `job.done` and
-    `job.result` (stored bytes, for a repeat), or run and `job.store(value)`."""
+    `job.result` (stored bytes, for a repeat), or run and `job.store(value)`. `observer` gets the
+    same `Event`s as the middleware's, with the namespace as their `route`."""
     rkey = RecordKey.build(namespace, scope, key)
+
+    def emit(name: EventName) -> None:
+        if observer is not None:
+            _notify(observer, Event(name, namespace, key, scope or None))
+
     result = await backend.claim(rkey, fingerprint, lease=lease, ttl=ttl)
     with anyio.move_on_after(wait):
         delay = 0.01
@@ -106,30 +115,49 @@ async def claim(
     if isinstance(result, Existing):
         action = decide(result, fingerprint)
         if action is Action.REPLAY and result.record.response is not None:
+            emit("replayed")
             yield Job(backend, rkey, None, ttl, result.record.response.body)
             return
         if action is Action.MISMATCH:
+            emit("mismatch")
             raise KeyReused(f"job key {key!r} was used before with other arguments")
         if action is Action.IN_PROGRESS:
+            emit("conflict")
             raise InProgress(f"job key {key!r} is still running")
+        emit("outcome_unknown")
         raise OutcomeUnknown(f"job key {key!r}: its first run stopped without an outcome; reconcile it")
     assert isinstance(result, Claimed)
+    emit("claimed")
     job = Job(backend, rkey, JobClaim(rkey, result.token), ttl, None)
     renewal = asyncio.get_running_loop().create_task(_renew(backend, rkey, result.token, lease))
+    current = _current.set(job.claim)  # `current_job()` inside the block, as in a decorated function
     try:
         yield job
     except BaseException:
         with anyio.CancelScope(shield=True):
             if job.claim is not None and job.claim.effect:
                 await backend.mark_failed(rkey, result.token)
+                emit("unresolved")
             else:
                 await backend.release(rkey, result.token)
+                emit("released")
         raise
     finally:
         renewal.cancel()
-    if not job.stored:
+        _current.reset(current)
+    if job.stored:
+        emit("completed")
+    else:
         with anyio.CancelScope(shield=True):
             await backend.release(rkey, result.token)  # the block ended without a result: nothing happened
+        emit("released")
+
+
+def _notify(observer: Observer, event: Event) -> None:
+    try:
+        observer(event)
+    except Exception:  # observability never fails a job
+        logging.getLogger("idem_asgi").exception("idem_asgi: observer failed on %r", event.name)
 
 
 class Job:
@@ -177,6 +205,7 @@ def idempotent(
     ttl: float = 86_400,
     lease: float = 30,
     wait: float = 0,
+    observer: Observer | None = None,
 ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Coroutine[Any, Any, R]]]:
     """Run the decorated async function once per key; repeats get the stored result (decoded to the
     function's return annotation).
@@ -188,6 +217,7 @@ def idempotent(
         scope: Called with the arguments, returns the owner (tenant) the key belongs to.
         ttl, lease: As on a route; the lease is renewed while the function runs.
         wait: Seconds a repeat of a running call waits for its result before `InProgress`.
+        observer: Called with an `Event` at each decision, as the middleware's (route = namespace).
     """
     names = tuple(args)
     if (key is None) == (not names):
@@ -216,16 +246,12 @@ def idempotent(
                 ttl=ttl,
                 lease=lease,
                 wait=wait,
+                observer=observer,
             ) as job:
                 if job.done:
                     assert job.result is not None
                     return decode(job.result)  # type: ignore[no-any-return]
-                assert job.claim is not None
-                token = _current.set(job.claim)
-                try:
-                    value = await func(*a, **kw)
-                finally:
-                    _current.reset(token)
+                value = await func(*a, **kw)
                 await job.store(value)
                 return value
 
@@ -235,5 +261,6 @@ def idempotent(
 
 
 def current_job() -> JobClaim | None:
-    """The claim of the `@idempotent` call running now (for `mark_effect()`), or None."""
+    """The claim of the `@idempotent` call or `claim` block running now (for `mark_effect()`; a
+    consumer adapter's handler runs in one), or None."""
     return _current.get()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The services the tests, benchmarks and demo talk to, as this machine kind runs them: start the
-# local Redis (6379) and PostgreSQL (5432, trust auth, database `test`) unless they already answer.
+# local Redis (6379), PostgreSQL (5432, trust auth, database `test`), RabbitMQ (5672, guest/guest)
+# and NATS with JetStream (4222) unless they already answer.
 # Safe to run repeatedly. (Throwaway servers a test kills or fails over are started by the tests
 # themselves: tests/support/servers.py.)
 set -euo pipefail
@@ -17,6 +18,14 @@ if ! (exec 3<>/dev/tcp/127.0.0.1/5672) 2>/dev/null && command -v rabbitmq-server
   echo "start-services: starting RabbitMQ on 127.0.0.1:5672"
   rabbitmq-server -detached
   for _ in $(seq 120); do (exec 3<>/dev/tcp/127.0.0.1/5672) 2>/dev/null && break; sleep 0.5; done
+fi
+
+if ! (exec 3<>/dev/tcp/127.0.0.1/4222) 2>/dev/null && command -v nats-server >/dev/null; then
+  echo "start-services: starting NATS with JetStream on 127.0.0.1:4222"
+  mkdir -p /var/lib/nats-server
+  nohup nats-server -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server -l /var/log/nats-server.log \
+    >/dev/null 2>&1 &
+  for _ in $(seq 50); do (exec 3<>/dev/tcp/127.0.0.1/4222) 2>/dev/null && break; sleep 0.1; done
 fi
 
 if ! pg_isready -h 127.0.0.1 -p 5432 -q 2>/dev/null; then

@@ -126,9 +126,9 @@ async def test_each_message_published_twice_is_applied_once_by_two_competing_con
 
 
 async def test_a_consumer_killed_after_the_effect_before_the_ack_never_applies_twice(rig: Rig) -> None:
-    env = {**os.environ, "IDEM_RABBIT_DIE_AFTER_STORE": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "IDEM_DIE_AFTER_STORE": "1", "PYTHONPATH": str(ROOT)}
     dying = subprocess.Popen(  # noqa: ASYNC220 - started once; its output is read in a thread below
-        [sys.executable, "-m", "tests.rabbit_consumer", rig.queue, rig.prefix, rig.counter],
+        [sys.executable, "-m", "tests.consumer_process", "rabbitmq", rig.queue, rig.prefix, rig.counter],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -187,3 +187,42 @@ async def test_a_poison_message_is_dead_lettered_after_a_bounded_number_of_attem
     report({"test": "rabbitmq_poison", "attempts": attempts, "dead_lettered": 1}, tag="CONSUMER")
     assert attempts == DELIVERY_LIMIT + 1, attempts  # the first delivery, then the limit's redeliveries
     assert await rig.depth(rig.queue) == 0
+
+
+async def test_a_duplicate_of_a_slow_message_waits_for_it_instead_of_being_dead_lettered(rig: Rig) -> None:
+    # Requeued at once, the duplicate would come round x-delivery-limit times while the first copy
+    # still runs and be dead-lettered: a dead letter for a message that was applied.
+    deliveries = 0
+
+    async def handle(message: Any) -> None:
+        await rig.effects.incr(rig.counter + message.message_id)
+        await asyncio.sleep(1.0)
+
+    async def counting(message: Any) -> None:
+        nonlocal deliveries
+        deliveries += 1
+        await on_message(message)
+
+    store = RedisBackend.from_url(REDIS_URL, prefix=rig.prefix)
+    on_message = rabbitmq_handler(store, handle)
+    channels = []
+    for _ in range(2):
+        channel = await rig.connection.channel()
+        await channel.set_qos(prefetch_count=1)
+        await (await channel.get_queue(rig.queue)).consume(counting)
+        channels.append(channel)
+    await rig.publish("pay-slow")
+    await rig.publish("pay-slow")
+
+    async def drained() -> bool:
+        return await rig.depth(rig.queue) == 0 and await rig.counts(["pay-slow"]) == [1]
+
+    await asyncio.sleep(0.3)
+    await until(drained, 15)
+    await asyncio.sleep(0.3)
+    for channel in channels:
+        await channel.close()
+    await store.aclose()
+    assert deliveries == 2, "each copy delivered once"
+    assert await rig.counts(["pay-slow"]) == [1]
+    assert await rig.depth(rig.dlq) == 0

@@ -12,6 +12,7 @@ import pytest
 from idem_asgi.backends import Backend
 from idem_asgi.errors import ConfigurationError
 from idem_asgi.jobs import InProgress, KeyReused, OutcomeUnknown, claim, current_job, idempotent
+from idem_asgi.observe import Event, fan_out
 from idem_asgi.records import COMPLETED, IN_PROGRESS, RecordKey
 
 
@@ -110,3 +111,56 @@ def test_configuration_is_checked() -> None:
 
     with pytest.raises(ConfigurationError, match="exactly one of key"):
         idempotent(MemoryBackend())
+
+
+async def test_observers_see_each_decision_with_the_namespace_as_route(backend: Backend) -> None:
+    namespace = f"jobs-{uuid.uuid4().hex}"
+    events: list[tuple[str, str, str | None]] = []
+
+    def observer(event: Event) -> None:
+        events.append((event.name, event.route, event.key))
+
+    def broken(event: Event) -> None:
+        raise RuntimeError("observability never fails a job")
+
+    gate = asyncio.Event()
+
+    @idempotent(backend, args=["order_id"], namespace=namespace, observer=fan_out(observer, broken))
+    async def charge(order_id: str, amount: int) -> int:
+        await gate.wait()
+        if amount < 0:
+            raise ValueError("refused")
+        if amount == 0:
+            current_job().mark_effect()  # type: ignore[union-attr]
+            raise ValueError("after the effect")
+        return amount
+
+    first = asyncio.create_task(charge("o1", 100))
+    await asyncio.sleep(0.05)
+    with pytest.raises(InProgress):
+        await charge("o1", 100)
+    gate.set()
+    assert await first == 100
+    assert await charge("o1", 100) == 100
+    with pytest.raises(KeyReused):
+        await charge("o1", 5)
+    with pytest.raises(ValueError):
+        await charge("o2", -1)
+    with pytest.raises(ValueError):
+        await charge("o3", 0)
+    with pytest.raises(OutcomeUnknown):
+        await charge("o3", 0)
+    assert [(n, r) for n, r, _ in events] == [
+        ("claimed", namespace),
+        ("conflict", namespace),
+        ("completed", namespace),
+        ("replayed", namespace),
+        ("mismatch", namespace),
+        ("claimed", namespace),
+        ("released", namespace),
+        ("claimed", namespace),
+        ("unresolved", namespace),
+        ("outcome_unknown", namespace),
+    ]
+    assert {k for *_, k in events} == {"order_id=o1", "order_id=o2", "order_id=o3"}
+    assert Event("completed", namespace).answer == "stored"
