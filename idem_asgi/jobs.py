@@ -181,10 +181,16 @@ class Job:
     async def store(self, value: Any) -> bytes:
         """Store the result (msgspec-encodable) for every repeat; returns its bytes."""
         assert self.claim is not None, "a repeat has nothing to store"
-        blob = _encode(value)
-        await self._backend.complete(self.key, self.claim.token, StoredResponse(200, list(_KIND), blob), ttl=self._ttl)
+        answer = stored_result(value)
+        await self._backend.complete(self.key, self.claim.token, answer, ttl=self._ttl)
         self.stored = True
-        return blob
+        return answer.body
+
+
+def stored_result(value: Any) -> StoredResponse:
+    """A job's result as its record holds it: what a `reconcile` resolver returns for a job whose
+    outcome it found out (the next call then returns `value` without running)."""
+    return StoredResponse(200, list(_KIND), _encode(value))
 
 
 async def _renew(backend: Backend, key: RecordKey, token: int, lease: float) -> None:

@@ -379,3 +379,41 @@ async def test_python_dash_m_reconciles_with_a_hook_from_the_working_directory(t
         assert doc["items"][0]["key"] == "?"  # the store keeps the digest only (store_keys=False)
         assert doc["items"][0]["digest"] == key.digest
         assert await backend.get(key) is None
+
+
+async def test_jobs_records_are_listed_and_resolved_by_the_tools(
+    store: Store, namespace: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A job that failed after its effect is a stuck claim like a request's: `stale` lists it,
+    `reconcile` stores what the provider says happened, and the next call returns that."""
+    from idem_asgi.jobs import OutcomeUnknown, current_job, idempotent, stored_result
+    from idem_asgi.reconcile import ReconcilableBackend, reconcile
+
+    runs: list[str] = []
+
+    @idempotent(store.backend, args=["order_id"], namespace=namespace, lease=0.2)
+    async def charge(order_id: str, amount: int) -> dict[str, Any]:
+        runs.append(order_id)
+        job = current_job()
+        assert job is not None
+        job.mark_effect()
+        raise ConnectionError("the provider's answer was lost")
+
+    with pytest.raises(ConnectionError):
+        await charge("o-1", 100)
+    with pytest.raises(OutcomeUnknown):
+        await charge("o-1", 100)
+    await asyncio.sleep(0.3)
+    code, doc = await cli_json(capsys, *store.args, "stale", "--older-than", "0", "--namespace", namespace)
+    assert code == 0
+    assert [d["key"] for d in doc] == ["order_id=o-1"]
+
+    found = {"charge": "ch_from_provider", "amount": 100}
+    tools = store.backend
+    assert isinstance(tools, (RedisBackend, PostgresBackend))
+    resolved: ReconcilableBackend = tools
+    report = await reconcile(resolved, lambda s: stored_result(found), older_than=0, namespace=namespace)
+    assert (report.examined, report.completed) == (1, 1)
+    assert await charge("o-1", 100) == found and runs == ["o-1"], "the resolved result, without a second run"
+    code, doc = await cli_json(capsys, *store.args, "inspect", "order_id=o-1", "--namespace", namespace)
+    assert code == 0 and doc["response"]["status"] == 200
