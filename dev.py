@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""Set up a local virtualenv and run a job in it: `python3 dev.py demo|test|bench|soak`.
+"""Set up a local virtualenv and run a job in it: `python3 dev.py demo|test|bench|soak|wheel`.
 
 Needs nothing but Python 3.10+: it creates `.venv`, installs the package with its `dev`
 extra (again only when pyproject.toml changed), then runs the job inside it. `soak` is
 `python -m tools.soak` (the retry storms with 20 seeds, time-capped; `python3 dev.py soak --help`).
+`wheel` builds `dist/idem_asgi-<version>-py3-none-any.whl` (it needs only `.venv`'s pip, not the
+dev install) and prints its path.
 """
 
 from __future__ import annotations
@@ -37,6 +39,20 @@ def setup() -> None:
     stamp.write_text(digest)
 
 
+def wheel() -> int:
+    """Build the wheel into dist/ with pip (hatchling is fetched into pip's build environment)."""
+    if not PY.exists():
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    dist = ROOT / "dist"
+    before = set(dist.glob("*.whl"))
+    pip = [str(PY), "-m", "pip", "wheel", "--disable-pip-version-check", "-q", "--no-deps", "-w", str(dist)]
+    if (code := subprocess.run([*pip, str(ROOT)], cwd=ROOT).returncode) != 0:
+        return code
+    built = sorted(set(dist.glob("*.whl")) - before) or sorted(dist.glob("idem_asgi-*.whl"), key=os.path.getmtime)[-1:]
+    print(built[-1])
+    return 0
+
+
 def run(*args: str) -> int:
     return subprocess.run([str(PY), *args], cwd=ROOT).returncode
 
@@ -44,6 +60,8 @@ def run(*args: str) -> int:
 def main(argv: list[str]) -> int:
     job = argv[0] if argv else "test"
     rest = argv[1:]
+    if job == "wheel":
+        return wheel()
     setup()
     if job == "demo":
         return run("-m", "examples.storm_demo", *rest)
@@ -52,12 +70,12 @@ def main(argv: list[str]) -> int:
             print("dev.py:", " ".join(step[1:]), flush=True)
             if (code := run(*step)) != 0:
                 return code
-        return run("-m", "pytest", *rest)
+        return run("-m", "pytest", "--durations=15", *rest)  # the 15 slowest tests, at the end
     if job == "bench":
         return run("-m", "benchmarks.run_all", *rest)
     if job == "soak":
         return run("-m", "tools.soak", *rest)
-    print(f"usage: python3 dev.py demo|test|bench|soak [args...]; unknown job {job!r}", file=sys.stderr)
+    print(f"usage: python3 dev.py demo|test|bench|soak|wheel [args...]; unknown job {job!r}", file=sys.stderr)
     return 2
 
 

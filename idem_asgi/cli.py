@@ -76,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Inspect idempotency records, resolve stuck claims, purge expired records, apply the schema.",
         epilog="exit codes: 0 done, 1 not found / reconcile errors, 2 usage or configuration, "
-        "3 store unreachable, 4 store error",
+        "3 store unreachable, 4 store error, 141 output closed (| head)",
     )
     _common(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -148,6 +148,8 @@ async def run(argv: Sequence[str] | None = None) -> int:
         log.setLevel(logging.INFO)
     try:
         return await _COMMANDS[args.command](args)
+    except _StdoutClosed:
+        return _quiet_stdout()
     except (ConfigurationError, BackendMisconfigured) as exc:  # credentials, rights, schema: fix the setup
         return _fail(str(exc), 2)
     except BackendUnavailable as exc:
@@ -229,12 +231,30 @@ def _maintained(backend: Backend) -> ReconcilableBackend:
 # --- output ----------------------------------------------------------------------------------
 
 
+class _StdoutClosed(Exception):
+    """Whoever read our output stopped (`| head`): not a store outage."""
+
+
 def _emit(args: argparse.Namespace, doc: Any, lines: Callable[[], list[str]]) -> None:
-    if args.json:
-        print(json.dumps(doc, indent=2, ensure_ascii=False))
-    else:
-        for line in lines():
-            print(line)
+    try:
+        if args.json:
+            print(json.dumps(doc, indent=2, ensure_ascii=False))
+        else:
+            for line in lines():
+                print(line)
+        sys.stdout.flush()
+    except BrokenPipeError as exc:
+        raise _StdoutClosed from exc
+
+
+def _quiet_stdout() -> int:
+    """After a closed pipe: point stdout at /dev/null (so the interpreter's last flush cannot fail
+    again) and exit as a process that SIGPIPE ended does in a shell, 141 (128 + SIGPIPE)."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return 128 + 13
 
 
 # --- commands --------------------------------------------------------------------------------

@@ -417,3 +417,28 @@ async def test_jobs_records_are_listed_and_resolved_by_the_tools(
     assert await charge("o-1", 100) == found and runs == ["o-1"], "the resolved result, without a second run"
     code, doc = await cli_json(capsys, *store.args, "inspect", "order_id=o-1", "--namespace", namespace)
     assert code == 0 and doc["response"]["status"] == 200
+
+
+@pytest.mark.parametrize("argv", [["migrate", "--print"], ["--backend", "memory://", "stale", "--json"]])
+def test_a_closed_stdout_ends_quietly_not_as_a_store_outage(argv: list[str]) -> None:
+    """`idem-asgi migrate --print | head -3`: the reader went away; that is no store outage (3)."""
+    env = {**os.environ, "IDEM_BACKEND_URL": POSTGRES_DSN}
+    child = subprocess.Popen(
+        [sys.executable, "-m", "idem_asgi", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
+    assert child.stdout is not None and child.stderr is not None
+    child.stdout.close()  # before the CLI writes a byte: its first write meets a closed pipe
+    err = child.stderr.read()
+    child.stderr.close()
+    assert (child.wait(30), err) == (141, b"")
+
+
+def test_a_reader_that_reads_some_lines_then_leaves_is_fine_too() -> None:
+    shell = f"{sys.executable} -m idem_asgi migrate --print | head -3"
+    done = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", shell],
+        capture_output=True,
+        env={**os.environ, "IDEM_BACKEND_URL": POSTGRES_DSN},
+    )
+    assert len(done.stdout.splitlines()) == 3
+    assert done.returncode in (0, 141) and b"store unreachable" not in done.stderr, done.stderr

@@ -28,15 +28,17 @@ from ..records import COMPLETED, IN_PROGRESS, Claimed, ClaimResult, Existing, Re
 from ..records import StaleRecord as StaleRecord  # re-exported: it was defined here before records.py
 from ._base import ClosingMixin, new_token
 from ._orphans import OrphanSweeper
-from ._postgres_effects import effect_transaction, live_claim
-from ._postgres_lean import POOL_ONLY, LeanPool
-from ._postgres_pool import _UNAVAILABLE, Runner, keep_session, wrapped
 from ._postgres_sql import DDL, Statements, index_name
 
 try:
     import asyncpg
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise MissingExtra("PostgresBackend needs asyncpg: pip install 'idem-asgi[postgres]'") from exc
+
+# After the check above: these need asyncpg.
+from ._postgres_effects import effect_transaction, live_claim
+from ._postgres_lean import POOL_ONLY, LeanPool
+from ._postgres_pool import _UNAVAILABLE, Runner, keep_session, wrapped
 
 logger = logging.getLogger("idem_asgi")
 HASHED: Final = "\x1f"

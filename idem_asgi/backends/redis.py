@@ -47,10 +47,7 @@ from ..records import (
 )
 from ._base import ClosingMixin, new_token
 from ._orphans import OrphanSweeper
-from ._redis_durable import run_then_wait
-from ._redis_notices import Notices
 from ._redis_scripts import ABANDON, BLANK_NAMES, CLAIM, COMPLETE, EXTEND, FAIL, READ, RELEASE, TAKEOVER, WATCH
-from ._redis_stale import _glob_escape, scan_stale
 
 try:
     import redis.asyncio as aioredis
@@ -60,7 +57,11 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise MissingExtra("RedisBackend needs redis-py: pip install 'idem-asgi[redis]'") from exc
 
-from ._redis_errors import MISCONFIGURED, UNAVAILABLE, wrapped  # after the check above: it needs redis-py
+# After the check above: these need redis-py.
+from ._redis_durable import run_then_wait
+from ._redis_errors import MISCONFIGURED, UNAVAILABLE, wrapped
+from ._redis_notices import Notices
+from ._redis_stale import _glob_escape, scan_stale
 
 try:
     from ._resp import RespPool
