@@ -1,6 +1,10 @@
-"""A retry storm against a tiny FastAPI payments app: one charge per key, every repeat a replay or 409.
+"""Retry storms against a tiny FastAPI payments app: one charge per key, every repeat either the
+stored answer (byte for byte, `Idempotent-Replayed: true`) or 409 with `Retry-After`.
 
 Run with `python3 dev.py demo` (in-memory store) or `python3 dev.py demo --backend redis://127.0.0.1:6379/0`.
+Three storms: one payment retried 200 times with the default (a repeat that arrives while the
+charge runs gets 409 + Retry-After, one that arrives after it gets the replay), the same with
+`wait=2` on the route (repeats wait for the answer: all replays), then many payments at once.
 """
 
 from __future__ import annotations
@@ -11,21 +15,25 @@ import random
 import time
 import uuid
 from collections import Counter
+from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
 
 from idem_asgi import IdempotencyMiddleware, RoutePolicy, backend_from_url, scope_from_header
 
+CHARGE_SECONDS = 0.05  # the card network takes a moment
+SHOWN = ("idempotent-replayed", "retry-after", "content-type", "link")
 
-def build_app(backend_url: str) -> tuple[FastAPI, Counter[str]]:
+
+def build_app(backend_url: str, wait: float | None) -> tuple[FastAPI, Counter[str]]:
     """The payments app, and the ledger of real charges per key (the ground truth)."""
     charges: Counter[str] = Counter()
     app = FastAPI()
     app.add_middleware(
         IdempotencyMiddleware,
         backend=backend_from_url(backend_url),
-        routes=[RoutePolicy("/payments", methods=["POST"], required=True)],
+        routes=[RoutePolicy("/payments", methods=["POST"], required=True, wait=wait)],
         scope=scope_from_header("x-merchant-id"),
     )
 
@@ -33,82 +41,135 @@ def build_app(backend_url: str) -> tuple[FastAPI, Counter[str]]:
     async def charge(request: Request) -> dict[str, object]:
         key = request.state.idempotency.key
         order = await request.json()
-        await asyncio.sleep(0.02)  # the card network takes a moment
+        await asyncio.sleep(CHARGE_SECONDS)
         charges[key] += 1
         return {"charge_id": uuid.uuid4().hex, "amount": order["amount"], "currency": "EUR"}
 
     return app, charges
 
 
-async def storm(backend_url: str, keys: int, duplicates: int, seed: int) -> int:
-    app, charges = build_app(backend_url)
+@dataclass
+class Storm:
+    """What one storm saw, and a sample answer of each kind to print."""
+
+    charges: Counter[str]
+    keys: int
+    requests: int
+    outcome: Counter[str] = field(default_factory=Counter)
+    differing: int = 0
+    retry_after_missing: int = 0
+    late_identical: int = 0
+    late: int = 0
+    samples: dict[str, httpx.Response] = field(default_factory=dict)
+    wall: float = 0.0
+
+    @property
+    def double(self) -> int:
+        return sum(n - 1 for n in self.charges.values() if n > 1)
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.double == 0
+            and len(self.charges) == self.keys
+            and self.differing == 0
+            and self.retry_after_missing == 0
+            and self.late_identical == self.late
+            and set(self.outcome) <= {"first", "replayed", "409"}
+        )
+
+
+async def storm(backend_url: str, keys: int, duplicates: int, seed: int, *, wait: float | None) -> Storm:
+    app, charges = build_app(backend_url, wait)
     rng = random.Random(seed)
     run = uuid.uuid4().hex[:8]  # durable stores keep earlier runs: fresh keys each time
-    jobs = [(f"order-{run}-{i}", i) for i in range(keys) for _ in range(duplicates)]
-    rng.shuffle(jobs)
+    amounts = {f"order-{run}-{i}": 100 + i for i in range(keys)}
+    # Retries arrive over twice the charge's duration: some while it runs, some after it.
+    jobs = [(key, rng.uniform(0, 2 * CHARGE_SECONDS)) for key in amounts for _ in range(duplicates)]
+    result = Storm(charges, keys, len(jobs))
     first: dict[str, bytes] = {}
-    outcome: Counter[str] = Counter()
-    mismatched = 0
     started = time.perf_counter()
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://demo") as client:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://demo") as client:
 
-        async def one(key: str, amount: int) -> None:
-            nonlocal mismatched
-            r = await client.post(
-                "/payments",
-                json={"amount": amount},
-                headers={"Idempotency-Key": key, "X-Merchant-Id": "m-1"},
-            )
+        async def pay(key: str) -> httpx.Response:
+            headers = {"Idempotency-Key": key, "X-Merchant-Id": "m-1"}
+            return await client.post("/payments", json={"amount": amounts[key]}, headers=headers)
+
+        async def one(key: str, delay: float) -> None:
+            await asyncio.sleep(delay)
+            r = await pay(key)
             if r.status_code == 201:
-                kind = "replayed" if r.headers.get("idempotent-replayed") == "true" else "executed"
-                outcome[kind] += 1
+                kind = "replayed" if r.headers.get("idempotent-replayed") == "true" else "first"
                 if first.setdefault(key, r.content) != r.content:
-                    mismatched += 1
+                    result.differing += 1
             else:
-                outcome[str(r.status_code)] += 1
+                kind = str(r.status_code)
+                result.retry_after_missing += kind == "409" and "retry-after" not in r.headers
+            result.outcome[kind] += 1
+            result.samples.setdefault(kind, r)
 
-        await asyncio.gather(*(one(key, amount) for key, amount in jobs))
-        # Every client now retries once more after its answer: all must be byte-identical replays.
-        late = await asyncio.gather(
-            *(
-                client.post("/payments", json={"amount": i}, headers={"Idempotency-Key": key, "X-Merchant-Id": "m-1"})
-                for key, i in {k: a for k, a in jobs}.items()
-            )
-        )
-    wall = time.perf_counter() - started
-    late_ok = sum(
-        r.headers.get("idempotent-replayed") == "true" and r.content == first[k]
-        for r, k in zip(late, {k: a for k, a in jobs}, strict=True)
+        await asyncio.gather(*(one(key, delay) for key, delay in jobs))
+        # Every client retries once more after its answer: each must be a byte-identical replay.
+        late = await asyncio.gather(*(pay(key) for key in amounts))
+    result.wall = time.perf_counter() - started
+    result.late = len(late)
+    result.late_identical = sum(
+        r.headers.get("idempotent-replayed") == "true" and r.content == first.get(key)
+        for r, key in zip(late, amounts, strict=True)
     )
-    double = sum(n - 1 for n in charges.values() if n > 1)
+    return result
+
+
+def show(title: str, backend_url: str, s: Storm, *, samples: bool) -> None:
+    print(f"\n== {title}")
     print(f"backend             {backend_url}")
-    print(f"requests            {len(jobs)} ({keys} keys x {duplicates} concurrent duplicates), seed {seed}")
-    print(f"charges executed    {sum(charges.values())}  (keys charged: {len(charges)} of {keys})")
-    print(f"double charges      {double}")
-    print(f"first answers       {outcome['executed']}")
-    print(f"replays (201)       {outcome['replayed']}")
-    print(f"409 in progress     {outcome['409']}")
-    print(f"other statuses      {sum(v for s, v in outcome.items() if s not in ('executed', 'replayed', '409'))}")
-    print(f"replays differing   {mismatched}")
-    print(f"late retries        {late_ok}/{len(late)} byte-identical replays")
-    print(f"wall time           {wall:.2f} s")
-    ok = double == 0 and mismatched == 0 and late_ok == len(late) and len(charges) == keys
-    print("RESULT              " + ("OK: every payment charged exactly once" if ok else "FAILED"))
-    return 0 if ok else 1
+    spread = f"spread over {2 * CHARGE_SECONDS * 1000:.0f} ms"
+    print(f"requests            {s.requests} ({s.keys} key(s) x {s.requests // s.keys} retries, {spread})")
+    print(f"charges executed    {sum(s.charges.values())}  (double charges: {s.double})")
+    print(f"first answers       {s.outcome['first']}")
+    identical = s.outcome["replayed"] - s.differing
+    print(f"replays (201)       {s.outcome['replayed']}  (byte-identical to the first: {identical})")
+    print(f"409 in progress     {s.outcome['409']}  (with Retry-After: {s.outcome['409'] - s.retry_after_missing})")
+    others = sum(v for k, v in s.outcome.items() if k not in ("first", "replayed", "409"))
+    print(f"other statuses      {others}")
+    print(f"late retries        {s.late_identical}/{s.late} byte-identical replays")
+    print(f"wall time           {s.wall:.2f} s")
+    if samples:
+        for kind, label in (("replayed", "a replayed answer"), ("409", "a 409 answer")):
+            if (r := s.samples.get(kind)) is not None:
+                headers = "  ".join(f"{h}: {r.headers[h]}" for h in SHOWN if h in r.headers)
+                print(f"{label:<20}{r.status_code}  {headers}")
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="memory://", help="memory://, redis://... or postgresql://...")
     parser.add_argument("--keys", type=int, default=50)
     parser.add_argument("--duplicates", type=int, default=8)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
-    print("One payment, 200 concurrent retries:")
-    code = asyncio.run(storm(args.backend, 1, 200, args.seed))
-    print(f"\n{args.keys} payments, {args.duplicates} concurrent retries each:")
-    return code | asyncio.run(storm(args.backend, args.keys, args.duplicates, args.seed + 1))
+    storms = [
+        ("One payment, 200 retries; default: a repeat while it runs gets 409 + Retry-After", 1, 200, None),
+        ("The same with RoutePolicy(..., wait=2): repeats wait for the answer", 1, 200, 2.0),
+        (f"{args.keys} payments, {args.duplicates} retries each, default", args.keys, args.duplicates, None),
+    ]
+    results = []
+    for i, (title, keys, duplicates, wait) in enumerate(storms):
+        s = asyncio.run(storm(args.backend, keys, duplicates, args.seed + i, wait=wait))
+        show(title, args.backend, s, samples=i < 2)
+        results.append(s)
+    ok = all(s.ok for s in results)
+    charged = sum(sum(s.charges.values()) for s in results)
+    payments = sum(s.keys for s in results)
+    repeats = sum(s.requests + s.late for s in results) - charged
+    verdict = (
+        f"OK: {payments} payments charged exactly once each ({charged} charges); all {repeats} repeats got "
+        "the stored answer byte for byte (Idempotent-Replayed: true) or 409 with Retry-After"
+        if ok
+        else "FAILED: " + "; ".join(f"storm {i + 1}" for i, s in enumerate(results) if not s.ok)
+    )
+    print(f"\nVERDICT  {verdict}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
