@@ -429,11 +429,29 @@ class RedisBackend(ClosingMixin):
         return bool(await self._call(self._watch, self._key(key), token))
 
     async def check(self) -> None:
-        """Claim and release a throwaway key: proves the credentials, the database and the script rights."""
+        """Claim and release a throwaway key: proves the credentials, the database and the script
+        rights. Then warn (once, in the log) when Redis may evict records before their TTL."""
         probe = RecordKey.build("idem-asgi-check", None, f"check-{new_token()}")
         result = await self.claim(probe, b"check", lease=5.0, ttl=5.0)
         if isinstance(result, Claimed):
             await self.release(probe, result.token)
+        await self._warn_on_eviction()
+
+    async def _warn_on_eviction(self) -> None:
+        try:  # INFO, not CONFIG: managed services that refuse CONFIG still answer it
+            info = await asyncio.wait_for(self.client.info("memory"), self.timeout)
+        except Exception:  # not allowed or not answered: the claim above already proved the store
+            return
+        nodes = info.values() if self._cluster and isinstance(info, dict) and "maxmemory_policy" not in info else [info]
+        policies = {str(node.get("maxmemory_policy", "")) for node in nodes if isinstance(node, dict)}
+        evicting = sorted(p for p in policies if p and p != "noeviction")
+        if evicting:
+            logger.warning(
+                "idem_asgi: Redis maxmemory-policy is %s: under memory pressure Redis may delete idempotency "
+                "records before their TTL, and a retry of such a key runs again; set maxmemory-policy noeviction "
+                "(a full Redis then refuses new claims: 503)",
+                ", ".join(evicting),
+            )
 
     async def get(self, key: RecordKey) -> Record | None:
         reply = await self._call(self._read, self._key(key))

@@ -8,7 +8,8 @@ lines when asked; `messages_of` turns body chunks into `http.request` messages f
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,3 +157,29 @@ async def read_body(receive: Callable[[], Any]) -> bytes:
         if not message.get("more_body", False):
             break
     return b"".join(parts)
+
+
+class StartupFailed(Exception):
+    """The app answered `lifespan.startup.failed`; the message is the server's log line."""
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: ASGIApp) -> AsyncIterator[None]:
+    """Run the app's ASGI lifespan as a server does: startup before the block, shutdown after it."""
+    inbox: asyncio.Queue[Message] = asyncio.Queue()
+    outbox: asyncio.Queue[Message] = asyncio.Queue()
+    scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}, "state": {}}
+    task = asyncio.ensure_future(app(scope, inbox.get, outbox.put))
+    await inbox.put({"type": "lifespan.startup"})
+    answer = await asyncio.wait_for(outbox.get(), 30)
+    if answer["type"] != "lifespan.startup.complete":
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise StartupFailed(answer.get("message", ""))
+    try:
+        yield
+    finally:
+        await inbox.put({"type": "lifespan.shutdown"})
+        answer = await asyncio.wait_for(outbox.get(), 30)
+        await asyncio.wait_for(task, 30)
+        assert answer["type"] == "lifespan.shutdown.complete", answer
