@@ -70,6 +70,7 @@ def test_the_built_wheel_installs_into_a_fresh_venv_with_each_extra(tmp_path: Pa
     built = subprocess.run([sys.executable, "dev.py", "wheel"], cwd=ROOT, capture_output=True, text=True, check=True)
     wheel = Path(built.stdout.strip().splitlines()[-1])
     assert wheel.suffix == ".whl" and wheel.is_file(), built.stdout
+    assert f'pip install "dist/{wheel.name}[redis]"' in (ROOT / "README.md").read_text(), "the README names this wheel"
     env = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env)
     python = str(env / "bin" / "python")

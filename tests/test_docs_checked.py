@@ -1,0 +1,179 @@
+"""The README and docs hold together: every link resolves (a file that exists, a heading that
+exists, by GitHub's anchor rules), every README code snippet imports what it uses (the only names
+it may leave undefined are the reader's own objects, named as such in the prose), and every README
+snippet runs as printed (top-level `await` included), with stand-ins for those objects."""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import re
+import unicodedata
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+
+from idem_asgi.backends import Backend
+from tests.support.servers import REDIS_URL, ROOT, require
+
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+README = ROOT / "README.md"
+YOURS = {"app", "provider", "fake_provider", "order_from", "record_charge"}
+"""The reader's own objects the README's snippets use without defining: their FastAPI app, their
+payment provider's client (and its fake in tests), their request parsing and ORM writes."""
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, markup and punctuation dropped, spaces to '-'."""
+    text = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", lambda m: m.group(1) or "", heading.strip()).lower()
+    text = "".join(c for c in text if c in " -_" or unicodedata.category(c)[0] in "LN")
+    return text.replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    seen: dict[str, int] = {}
+    found = set()
+    for heading in re.findall(r"^#{1,6} (.+)$", text, re.M):
+        base = slug(heading)
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        found.add(base if n == 0 else f"{base}-{n}")
+    return found
+
+
+def links(page: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    return re.findall(r"\]\(([^)\s]+)\)", text)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_link_resolves_to_a_file_and_a_heading(page: Path) -> None:
+    broken = []
+    for target in links(page):
+        if re.match(r"[a-z]+:", target):
+            continue  # https:, mailto: ...
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+            broken.append(f"{target}: no heading with that anchor in {file.name}")
+    assert broken == []
+
+
+def test_sections_named_in_quotes_exist() -> None:
+    """`(see "Scope" below)` in a snippet's comment names a heading of the README."""
+    text = README.read_text()
+    headings = {h.strip().strip("`") for h in re.findall(r"^#{1,6} (.+)$", text, re.M)}
+    named = set(re.findall(r'see "([^"]+)"', text))
+    assert named and named <= headings, named - headings
+
+
+def test_the_slug_rules_match_githubs() -> None:
+    assert (
+        slug("Stuck claims, reconciliation and the `idem-asgi` CLI")
+        == "stuck-claims-reconciliation-and-the-idem-asgi-cli"
+    )
+    assert slug("### `IdempotencyMiddleware(app, *, ...)`".lstrip("# ")) == "idempotencymiddlewareapp--"
+    assert "five-lines-on-fastapi" in anchors(README)
+
+
+RUN_IN_TEST_README = {"Five lines on FastAPI", "Other frameworks"}
+"""Sections whose snippet tests/test_readme.py runs with its own checks (one charge under 200
+retries; compressors outside), so it is not run twice in one process (BlackSheep allows one
+default router per process)."""
+
+
+def snippets() -> list[tuple[int, str]]:
+    text = README.read_text()
+    return [(text[: m.start()].count("\n") + 2, m.group(1)) for m in re.finditer(r"```python\n(.*?)```", text, re.S)]
+
+
+def section_of(line: int) -> str:
+    above = README.read_text().splitlines()[:line]
+    return next(h.lstrip("# ") for h in reversed(above) if re.match(r"#{1,6} ", h))
+
+
+RUNNABLE = [(n, code) for n, code in snippets() if section_of(n) not in RUN_IN_TEST_README]
+
+
+def parse(code: str) -> ast.Module:
+    tree = compile(code, "README.md", "exec", flags=ast.PyCF_ONLY_AST | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+    assert isinstance(tree, ast.Module)
+    return tree
+
+
+def undefined_names(code: str) -> set[str]:
+    """Names read but never bound anywhere in the snippet (import, assignment, def, argument...)."""
+    bound: set[str] = set()
+    read: set[str] = set()
+    for node in ast.walk(parse(code)):
+        if isinstance(node, ast.Name):
+            (read if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    return read - bound - set(dir(builtins))
+
+
+def test_the_import_check_catches_a_missing_import() -> None:
+    assert undefined_names("app.add_middleware(GZipMiddleware)") == {"app", "GZipMiddleware"}
+    assert undefined_names("from x import GZipMiddleware\napp.add_middleware(GZipMiddleware)") == {"app"}
+
+
+@pytest.mark.parametrize(("line", "code"), snippets(), ids=[f"README.md:{n}" for n, _ in snippets()])
+def test_every_readme_snippet_imports_what_it_uses(line: int, code: str) -> None:
+    assert undefined_names(code) <= YOURS, f"README.md:{line} uses names it neither imports nor defines"
+
+
+class FakeProvider:
+    def __init__(self) -> None:
+        self.charges: list[str] = []
+
+    async def charge(self, order: Any, *, idempotency_key: str) -> SimpleNamespace:
+        self.charges.append(idempotency_key)
+        return SimpleNamespace(id=f"ch_{len(self.charges)}")
+
+
+def test_the_snippets_run_elsewhere_are_the_ones_test_readme_runs() -> None:
+    elsewhere = [section_of(n) for n, _ in snippets() if section_of(n) in RUN_IN_TEST_README]
+    assert sorted(elsewhere) == sorted(RUN_IN_TEST_README)
+    source = (ROOT / "tests" / "test_readme.py").read_text()
+    assert all(f'"## {s}"' in source or f'"### {s}"' in source for s in RUN_IN_TEST_README)
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize(("line", "code"), RUNNABLE, ids=[f"README.md:{n}" for n, _ in RUNNABLE])
+async def test_every_readme_snippet_runs_as_printed(line: int, code: str) -> None:
+    require("redis", REDIS_URL)
+    if "django" in code:
+        from tests.django_project import _configure
+
+        _configure()  # the snippet's settings module is the reader's; Django's settings are process-wide
+    provider = FakeProvider()
+    namespace: dict[str, Any] = {
+        "__name__": "readme_snippet",
+        "app": FastAPI(),
+        "provider": provider,
+        "fake_provider": provider,
+        "order_from": lambda request: {"amount": 1},
+        "record_charge": lambda charge: None,
+    }
+    code = code.replace("redis://localhost:6379/0", REDIS_URL)
+    compiled = compile(code, f"README.md:{line}", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+    outcome = eval(compiled, namespace)  # the README's own code
+    if outcome is not None:
+        await outcome  # a snippet with top-level await
+    for value in namespace.values():
+        if isinstance(value, Backend) and not isinstance(value, type):
+            await value.aclose()
