@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -338,3 +339,53 @@ async def test_a_consumer_killed_inside_its_handler_leaves_the_message_dead_lett
     assert [n for _, n in second.deliveries] == [2]
     assert letter["type"] == "io.nats.jetstream.advisory.v1.terminated"
     assert await rig.counts(["pay-midway"]) == [1]
+
+
+async def test_the_push_subscription_form_of_the_docs_applies_each_message_once(rig: Rig) -> None:
+    """`js.subscribe(subject, durable=..., config=..., manual_ack=True, cb=nats_handler(...))`, as
+    docs/jobs.md shows it: two subscribers in one queue group, every message published twice."""
+    ids = [f"push-{i}" for i in range(50)]
+    applied_by: Counter[int] = Counter()
+
+    def handler(subscriber: int) -> Any:
+        async def handle(msg: Any) -> None:
+            applied_by[subscriber] += 1
+            await rig.effects.incr(rig.counter + msg.headers["Payment-Id"])
+
+        return handle
+
+    config = ConsumerConfig(
+        durable_name="charge",
+        deliver_group="charge",  # a queue group (its name is the durable's): the subscribers compete
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=ACK_WAIT,
+        max_deliver=MAX_DELIVER,
+    )
+    stores = [RedisBackend.from_url(REDIS_URL, prefix=rig.prefix) for _ in range(2)]
+    subscriptions = [
+        await rig.js.subscribe(
+            rig.subject,
+            queue="charge",
+            durable="charge",
+            config=config,
+            manual_ack=True,
+            cb=nats_handler(store, handler(i), header="Payment-Id"),
+        )
+        for i, store in enumerate(stores)
+    ]
+    for payment in ids + ids:
+        await rig.publish({"Payment-Id": payment})
+
+    async def applied() -> bool:
+        info = await rig.js.consumer_info(rig.stream, "charge")
+        return info.num_pending == 0 and info.num_ack_pending == 0 and sum(await rig.counts(ids)) >= 50
+
+    await until(applied, 30)
+    await asyncio.sleep(0.3)
+    for subscription in subscriptions:
+        await subscription.unsubscribe()
+    for store in stores:
+        await store.aclose()
+    assert await rig.counts(ids) == [1] * 50
+    assert applied_by[0] > 0 and applied_by[1] > 0, applied_by
+    assert await rig.dead_letters() == []
