@@ -14,7 +14,7 @@ from .errors import (
 )
 from .fingerprint import Fields, JsonIgnoring, RawBody, custom
 from .keys import scope_from_header, scope_from_state, scope_from_token_hash, scope_from_user
-from .middleware import IdempotencyMiddleware
+from .middleware import IdempotencyMiddleware, startup_check
 from .openapi import add_openapi
 from .policy import RoutePolicy
 from .records import Record, RecordKey, StaleRecord, StoredResponse
@@ -54,4 +54,5 @@ __all__ = [
     "scope_from_state",
     "scope_from_token_hash",
     "scope_from_user",
+    "startup_check",
 ]

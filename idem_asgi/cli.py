@@ -26,7 +26,7 @@ import re
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
 from ._cli_output import iso, key_doc, key_label, label, record_doc, report_doc, report_lines, stale_doc, text
 from .backends import backend_class
@@ -127,9 +127,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (the console script exits with it)."""
     try:
-        return asyncio.run(run(argv))
+        code = asyncio.run(run(argv))
     except KeyboardInterrupt:
         return 130
+    if code == STDOUT_CLOSED:
+        _quiet_stdout()
+    return code
 
 
 async def run(argv: Sequence[str] | None = None) -> int:
@@ -149,7 +152,7 @@ async def run(argv: Sequence[str] | None = None) -> int:
     try:
         return await _COMMANDS[args.command](args)
     except _StdoutClosed:
-        return _quiet_stdout()
+        return STDOUT_CLOSED
     except (ConfigurationError, BackendMisconfigured) as exc:  # credentials, rights, schema: fix the setup
         return _fail(str(exc), 2)
     except BackendUnavailable as exc:
@@ -247,14 +250,17 @@ def _emit(args: argparse.Namespace, doc: Any, lines: Callable[[], list[str]]) ->
         raise _StdoutClosed from exc
 
 
-def _quiet_stdout() -> int:
-    """After a closed pipe: point stdout at /dev/null (so the interpreter's last flush cannot fail
-    again) and exit as a process that SIGPIPE ended does in a shell, 141 (128 + SIGPIPE)."""
+STDOUT_CLOSED: Final = 128 + 13
+"""The exit status after a closed stdout, as a shell reports a process that SIGPIPE ended."""
+
+
+def _quiet_stdout() -> None:
+    """After a closed pipe, in the console script only (never under a caller's own `run()`): point
+    stdout at /dev/null so the interpreter's last flush cannot fail again."""
     with contextlib.suppress(OSError, ValueError):
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
-    return 128 + 13
 
 
 # --- commands --------------------------------------------------------------------------------

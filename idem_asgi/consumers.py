@@ -90,7 +90,10 @@ async def apply_once(
             if job.done:
                 return Settle.ACK  # applied before: the earlier ack was lost
             held = job.claim
-            result = await run()
+            try:
+                result = await run()
+            except Exception as exc:  # the handler's own, even a nested job's InProgress or KeyReused
+                raise _HandlerFailed from exc
             await job.store(result if result is not None else True)
     except InProgress:
         return Settle.RETRY  # another consumer holds it: let the broker offer it again
@@ -98,12 +101,16 @@ async def apply_once(
         logger.error("idem_asgi: message %r dead-lettered: %s", key, exc)
         return Settle.DEAD
     except Exception:
-        if held is not None and held.effect:  # failed after its effect: the claim is kept, outcome unknown
-            logger.exception("idem_asgi: handler failed after its effect on message %r; dead-lettered", key)
+        if held is not None and held.effect:  # after its effect (or its result): the claim is kept, outcome unknown
+            logger.exception("idem_asgi: message %r failed after its effect; dead-lettered", key)
             return Settle.DEAD
-        logger.exception("idem_asgi: handler failed on message %r; handed back to the broker", key)
+        logger.exception("idem_asgi: message %r failed before any effect; handed back to the broker", key)
         return Settle.RETRY
     return Settle.ACK
+
+
+class _HandlerFailed(Exception):
+    """The handler raised (its exception is the cause): never read as the message's own verdict."""
 
 
 def _one_key_source(adapter: str, header: str | None, field: str | None) -> None:
@@ -169,6 +176,7 @@ def nats_handler(
     lease: float = 30,
     wait: float = 10,
     retry_delay: float | None = None,
+    progress_every: float | None = None,
     observer: Observer | None = None,
 ) -> Callable[[Any], Awaitable[None]]:
     """A nats-py JetStream callback (`await js.subscribe(subject, durable=..., cb=nats_handler(store,
@@ -178,16 +186,20 @@ def nats_handler(
     `field=` a top-level JSON body field. Retries are `nak(delay=retry_delay)`; the consumer's
     `max_deliver` bounds them (JetStream then publishes a MAX_DELIVERIES advisory), dead letters
     are `term()` (a MSG_TERMINATED advisory). While the handler runs (or a duplicate waits) the
-    adapter sends `in_progress()` every `lease / 3` seconds, so a handler longer than the
-    consumer's `ack_wait` is not redelivered to another consumer meanwhile."""
+    adapter sends `in_progress()` every `progress_every` seconds (default: the smaller of
+    `lease / 3` and 5 s; keep the consumer's `ack_wait` above it), so a handler longer than
+    `ack_wait` is not redelivered to another consumer meanwhile."""
     _one_key_source("nats_handler", header, field)
     source = header or "Nats-Msg-Id"
+    every = progress_every if progress_every is not None else min(lease / 3, 5.0)
+    if every <= 0:
+        raise ValueError(f"progress_every must be positive, got {progress_every!r}")
 
     async def on_message(msg: Any) -> None:
         headers: Mapping[str, str] = msg.headers or {}
         raw = _field_of(msg.data, field) if field is not None else headers.get(source)
 
-        ticker = asyncio.ensure_future(_in_progress(msg, lease / 3))
+        ticker = asyncio.ensure_future(_in_progress(msg, every))
         try:
             settle = await apply_once(
                 backend,

@@ -144,7 +144,8 @@ async def claim(
         raise
     finally:
         renewal.cancel()
-        _current.reset(current)
+        with contextlib.suppress(ValueError):  # left in another context than entered: nothing to restore here
+            _current.reset(current)
     if job.stored:
         emit("completed")
     else:
@@ -179,10 +180,15 @@ class Job:
         return self.claim is None
 
     async def store(self, value: Any) -> bytes:
-        """Store the result (msgspec-encodable) for every repeat; returns its bytes."""
+        """Store the result (msgspec-encodable) for every repeat; returns its bytes.
+
+        The work is done by now: a store that fails here keeps the claim (outcome unknown), never
+        releases it for a second run; a claim taken over meanwhile raises `OutcomeUnknown`."""
         assert self.claim is not None, "a repeat has nothing to store"
         answer = stored_result(value)
-        await self._backend.complete(self.key, self.claim.token, answer, ttl=self._ttl)
+        self.claim.mark_effect()
+        if not await self._backend.complete(self.key, self.claim.token, answer, ttl=self._ttl):
+            raise OutcomeUnknown(f"job key {self.key.key!r}: its claim was taken over while it ran; result not stored")
         self.stored = True
         return answer.body
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final, Literal
 
 from . import _shared, problems
@@ -218,28 +218,46 @@ class IdempotencyMiddleware:
         return lifespan_send
 
     async def check_store(self) -> str | None:
-        """Ask the store whether it can serve (`backend.check()` where it has one).
+        """`check_store(self.backend)`: run at lifespan start-up."""
+        return await check_store(self.backend)
 
-        Returns None when it can (or is merely unreachable now: that is an outage, answered 503 per
-        request until it is back), or the message of a configuration it can never work with, which
-        is also logged as an error.
-        """
-        check = getattr(self.backend, "check", None)
-        if check is None:
-            return None
-        try:
-            await check()
-        except (BackendMisconfigured, ConfigurationError) as exc:
-            message = f"idem_asgi: the idempotency store refuses this app: {exc}"
-            logger.error(message)
-            return message
-        except Exception as exc:
-            logger.warning(
-                "idem_asgi: the idempotency store is unreachable at start-up (%s); protected "
-                "requests get 503 until it is back",
-                exc,
-            )
+
+async def check_store(backend: Backend) -> str | None:
+    """Ask the store whether it can serve (`backend.check()` where it has one).
+
+    Returns None when it can (or is merely unreachable now: that is an outage, answered 503 per
+    request until it is back), or the message of a configuration it can never work with, which
+    is also logged as an error.
+    """
+    check = getattr(backend, "check", None)
+    if check is None:
         return None
+    try:
+        await check()
+    except (BackendMisconfigured, ConfigurationError) as exc:
+        message = f"idem_asgi: the idempotency store refuses this app: {exc}"
+        logger.error(message)
+        return message
+    except Exception as exc:
+        logger.warning(
+            "idem_asgi: the idempotency store is unreachable at start-up (%s); protected "
+            "requests get 503 until it is back",
+            exc,
+        )
+    return None
 
 
-__all__ = ["IdempotencyMiddleware", "route_path"]
+def startup_check(backend: Backend) -> Callable[[], Awaitable[None]]:
+    """The middleware's start-up check as a hook, for frameworks whose middleware never sees the
+    lifespan (Litestar: `on_startup=[startup_check(backend)]`): it raises `BackendMisconfigured`
+    for a store that can never work (the start-up fails) and only logs one that is down now."""
+
+    async def check() -> None:
+        problem = await check_store(backend)
+        if problem is not None:
+            raise BackendMisconfigured(problem)
+
+    return check
+
+
+__all__ = ["IdempotencyMiddleware", "check_store", "route_path", "startup_check"]

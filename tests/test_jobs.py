@@ -6,14 +6,17 @@ from __future__ import annotations
 import asyncio
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
 from idem_asgi.backends import Backend
-from idem_asgi.errors import ConfigurationError
+from idem_asgi.consumers import Settle, apply_once
+from idem_asgi.errors import BackendUnavailable, ConfigurationError
 from idem_asgi.jobs import InProgress, KeyReused, OutcomeUnknown, claim, current_job, idempotent
 from idem_asgi.observe import Event, fan_out
-from idem_asgi.records import COMPLETED, IN_PROGRESS, RecordKey
+from idem_asgi.records import COMPLETED, IN_PROGRESS, RecordKey, StoredResponse
+from tests.support.stores import Delegating
 
 
 @dataclass
@@ -49,13 +52,16 @@ async def test_other_arguments_same_key_and_a_running_repeat_raise_typed_errors(
     namespace = f"jobs-{uuid.uuid4().hex}"
     gate = asyncio.Event()
 
+    running = asyncio.Event()
+
     @idempotent(backend, args=["order_id"], namespace=namespace)
     async def charge(order_id: str, amount: int) -> int:
+        running.set()
         await gate.wait()
         return amount
 
     first = asyncio.create_task(charge("o1", 100))
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(running.wait(), 10)  # claimed and running (a cold pool may take a while)
     with pytest.raises(InProgress):
         await charge("o1", 100)  # wait=0: at once
     gate.set()
@@ -124,9 +130,11 @@ async def test_observers_see_each_decision_with_the_namespace_as_route(backend: 
         raise RuntimeError("observability never fails a job")
 
     gate = asyncio.Event()
+    running = asyncio.Event()
 
     @idempotent(backend, args=["order_id"], namespace=namespace, observer=fan_out(observer, broken))
     async def charge(order_id: str, amount: int) -> int:
+        running.set()
         await gate.wait()
         if amount < 0:
             raise ValueError("refused")
@@ -136,7 +144,7 @@ async def test_observers_see_each_decision_with_the_namespace_as_route(backend: 
         return amount
 
     first = asyncio.create_task(charge("o1", 100))
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(running.wait(), 10)
     with pytest.raises(InProgress):
         await charge("o1", 100)
     gate.set()
@@ -164,3 +172,80 @@ async def test_observers_see_each_decision_with_the_namespace_as_route(backend: 
     ]
     assert {k for *_, k in events} == {"order_id=o1", "order_id=o2", "order_id=o3"}
     assert Event("completed", namespace).answer == "stored"
+
+    @idempotent(backend, args=["order_id"], namespace=namespace, observer=broken)
+    async def refund(order_id: str) -> str:
+        return "refunded"
+
+    assert await refund("o9") == "refunded", "an observer that raises never fails the job"
+    assert await refund("o9") == "refunded"
+
+
+class FailingComplete(Delegating):
+    """A store that takes the claim but cannot write the outcome (or finds the claim fenced)."""
+
+    def __init__(self, inner: Backend, *, fenced: bool) -> None:
+        super().__init__(inner)
+        self.fenced = fenced
+
+    async def complete(self, key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
+        if self.fenced:
+            return False
+        raise BackendUnavailable("redis unavailable: the answer to COMPLETE was lost")
+
+
+@pytest.mark.parametrize("fenced", [False, True], ids=["store-fails", "claim-taken-over"])
+async def test_a_result_that_cannot_be_stored_never_runs_the_work_again(backend: Backend, fenced: bool) -> None:
+    namespace = f"jobs-{uuid.uuid4().hex}"
+    runs: list[str] = []
+
+    @idempotent(FailingComplete(backend, fenced=fenced), args=["order_id"], namespace=namespace)
+    async def charge(order_id: str) -> str:
+        runs.append(order_id)
+        return "charged"
+
+    with pytest.raises(OutcomeUnknown if fenced else BackendUnavailable):
+        await charge("o1")
+
+    @idempotent(backend, args=["order_id"], namespace=namespace)
+    async def charge_again(order_id: str) -> str:
+        runs.append(order_id)
+        return "charged"
+
+    if not fenced:  # the claim is kept as outcome unknown, not released for a second run
+        with pytest.raises(OutcomeUnknown):
+            await charge_again("o1")
+        assert runs == ["o1"]
+
+
+async def test_a_consumer_never_takes_a_nested_jobs_refusal_for_its_own(backend: Backend) -> None:
+    """A handler that fails because a job it calls raised KeyReused is an ordinary handler failure
+    (released, handed back), not a dead letter for the message's own key."""
+    namespace = f"consumer-{uuid.uuid4().hex}"
+    attempts: list[int] = []
+
+    async def handler() -> None:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise KeyReused("an inner job's key was used with other arguments")
+
+    common: dict[str, Any] = {"namespace": namespace, "ttl": 60.0, "lease": 5.0, "wait": 0.0}
+    first = await apply_once(backend, "m-1", b"{}", handler, **common)
+    second = await apply_once(backend, "m-1", b"{}", handler, **common)
+    assert (first, second, len(attempts)) == (Settle.RETRY, Settle.ACK, 2)
+    assert await apply_once(backend, "m-1", b"{}", handler, **common) is Settle.ACK and len(attempts) == 2
+
+
+async def test_a_consumer_whose_result_cannot_be_stored_dead_letters_it(backend: Backend) -> None:
+    namespace = f"consumer-{uuid.uuid4().hex}"
+    ran: list[int] = []
+
+    async def handler() -> str:
+        ran.append(1)
+        return "applied"
+
+    common: dict[str, Any] = {"namespace": namespace, "ttl": 60.0, "lease": 5.0, "wait": 0.0}
+    failing = FailingComplete(backend, fenced=False)
+    assert await apply_once(failing, "m-2", b"{}", handler, **common) is Settle.DEAD
+    assert await apply_once(backend, "m-2", b"{}", handler, **common) is Settle.DEAD  # outcome unknown
+    assert ran == [1], "never handed back for a second run"

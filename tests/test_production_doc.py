@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 
 from idem_asgi.observe import EVENT_NAMES
 from tests.support.asgi import StartupFailed, lifespan
-from tests.support.servers import POSTGRES_DSN, ROOT, redis_process, require
+from tests.support.servers import POSTGRES_DSN, ROOT, free_port, redis_process, require
 
 DOC = ROOT / "docs" / "production.md"
 RUN_HERE = {
@@ -112,6 +112,26 @@ async def test_lifespan_wiring_opens_checks_and_closes_one_store(framework: str,
         assert len(await admin.client_list()) == 1, "shutdown closed the app's pool (only ours is left)"
     finally:
         await admin.aclose()
+
+
+@pytest.mark.redis
+async def test_litestars_start_up_hook_fails_a_misconfigured_store_and_tolerates_a_down_one(tmp_path: Path) -> None:
+    with redis_process(tmp_path / "locked", args=conf_args()) as server:
+        admin = aioredis.Redis.from_url(server.url)
+        await admin.config_set("requirepass", "s3cret")
+        await admin.aclose()
+        ns = load("litestar", **{"redis://redis.internal:6379/0": server.url})  # no password: NOAUTH
+        with pytest.raises(StartupFailed, match="store refuses this app"):
+            async with lifespan(ns["app"]):
+                pass
+        await ns["backend"].aclose()
+    down = f"redis://127.0.0.1:{free_port()}/0"
+    ns = load("litestar", **{"redis://redis.internal:6379/0": down})
+    transport = httpx.ASGITransport(app=ns["app"])
+    async with lifespan(ns["app"]), httpx.AsyncClient(transport=transport, base_url="http://doc") as client:
+        # only down: the app starts, and protected requests get 503 until it is back
+        answer = await client.post("/payments", headers={"Idempotency-Key": "k-1", "X-Tenant-Id": "t-1"})
+    assert answer.status_code == 503 and answer.headers["content-type"] == "application/problem+json"
 
 
 @pytest.mark.redis

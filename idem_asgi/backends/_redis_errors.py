@@ -30,12 +30,17 @@ MISCONFIGURED: Final = (
     redis_errors.NoPermissionError,
 )
 _MISCONFIGURED_TEXT: Final = ("DB index is out of range", "unknown command", "NOSCRIPT No matching script")
+# How a server that wants a password answers a client that sent none (the lean pool sees these as
+# plain error replies; Redis 7 refuses an unauthenticated client's long command as a protocol error).
+_AUTH_TEXT: Final = ("NOAUTH", "WRONGPASS", "Protocol error: unauthenticated")
 
 
 def wrapped(exc: Exception) -> BackendError:
     """The library error for a redis-py error: misconfigured, unavailable, or another store error."""
     what = f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, MISCONFIGURED):
+    if isinstance(exc, MISCONFIGURED) or (
+        isinstance(exc, redis_errors.ResponseError) and any(t in str(exc) for t in _AUTH_TEXT)
+    ):
         fix = (
             "give the Redis user the scripting and hash commands on the backend's keys "
             "(ACL SETUSER <user> on ~idem:* +@scripting +@hash +@keyspace +time)"

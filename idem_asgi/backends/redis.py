@@ -439,7 +439,8 @@ class RedisBackend(ClosingMixin):
 
     async def _warn_on_eviction(self) -> None:
         try:  # INFO, not CONFIG: managed services that refuse CONFIG still answer it
-            info = await asyncio.wait_for(self.client.info("memory"), self.timeout)
+            every_shard = {"target_nodes": self.client.get_primaries()} if self._cluster else {}
+            info = await asyncio.wait_for(self.client.info("memory", **every_shard), self.timeout)
         except Exception:  # not allowed or not answered: the claim above already proved the store
             return
         nodes = info.values() if self._cluster and isinstance(info, dict) and "maxmemory_policy" not in info else [info]

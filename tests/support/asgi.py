@@ -170,8 +170,21 @@ async def lifespan(app: ASGIApp) -> AsyncIterator[None]:
     outbox: asyncio.Queue[Message] = asyncio.Queue()
     scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}, "state": {}}
     task = asyncio.ensure_future(app(scope, inbox.get, outbox.put))
+
+    async def answer_or_crash() -> Message:
+        """The app's next message; an app that crashes instead raises its exception at once."""
+        reply = asyncio.ensure_future(outbox.get())
+        await asyncio.wait({reply, task}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+        if reply.done():
+            return reply.result()
+        reply.cancel()
+        if task.done():
+            task.result()  # raises the app's exception
+            raise AssertionError("the app returned without answering the lifespan")
+        raise AssertionError("the app did not answer the lifespan within 30 s")
+
     await inbox.put({"type": "lifespan.startup"})
-    answer = await asyncio.wait_for(outbox.get(), 30)
+    answer = await answer_or_crash()
     if answer["type"] != "lifespan.startup.complete":
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -180,6 +193,6 @@ async def lifespan(app: ASGIApp) -> AsyncIterator[None]:
         yield
     finally:
         await inbox.put({"type": "lifespan.shutdown"})
-        answer = await asyncio.wait_for(outbox.get(), 30)
+        answer = await answer_or_crash()
         await asyncio.wait_for(task, 30)
         assert answer["type"] == "lifespan.shutdown.complete", answer
