@@ -122,9 +122,9 @@ def rabbitmq_handler(
     backend: Backend,
     handler: Handler,
     *,
+    namespace: str,
     header: str | None = None,
     field: str | None = None,
-    namespace: str = "rabbitmq",
     ttl: float = 7 * 86_400,
     lease: float = 30,
     wait: float = 10,
@@ -134,7 +134,12 @@ def rabbitmq_handler(
     that applies each message once; see the module docstring. The key is the message's
     `message_id` unless `header=` or `field=` (a top-level JSON body field) names another; publish
     with a stable id (`Message(body, message_id=...)`). Retries are `nack(requeue=True)`; give the
-    queue an `x-delivery-limit` (quorum queue) and a dead-letter exchange to bound them."""
+    queue an `x-delivery-limit` (quorum queue) and a dead-letter exchange to bound them.
+
+    `namespace` is the key space of this queue's work, e.g. the queue's name: two queues that get
+    the same messages for different work (a fanout exchange) each need their own, or the second
+    would find every message already applied and never run. A message carries nothing that names
+    its queue, so there is no default."""
     _one_key_source("rabbitmq_handler", header, field)
 
     async def on_message(message: Any) -> None:
@@ -171,7 +176,7 @@ def nats_handler(
     *,
     header: str | None = None,
     field: str | None = None,
-    namespace: str = "nats",
+    namespace: str | None = None,
     ttl: float = 7 * 86_400,
     lease: float = 30,
     wait: float = 10,
@@ -185,10 +190,12 @@ def nats_handler(
     JetStream also uses for its publish de-duplication window) unless `header=` names another or
     `field=` a top-level JSON body field. Retries are `nak(delay=retry_delay)`; the consumer's
     `max_deliver` bounds them (JetStream then publishes a MAX_DELIVERIES advisory), dead letters
-    are `term()` (a MSG_TERMINATED advisory). While the handler runs (or a duplicate waits) the
-    adapter sends `in_progress()` every `progress_every` seconds (default: the smaller of
-    `lease / 3` and 5 s; keep the consumer's `ack_wait` above it), so a handler longer than
-    `ack_wait` is not redelivered to another consumer meanwhile."""
+    are `term()` (a MSG_TERMINATED advisory). `namespace` defaults to `nats:<stream>:<consumer>`
+    from each message's metadata: the consumers of one durable share a key space, and two durables
+    doing different work on the same stream never see each other's records. While the handler
+    runs (or a duplicate waits) the adapter sends `in_progress()` every `progress_every` seconds
+    (default: the smaller of `lease / 3` and 5 s; keep the consumer's `ack_wait` above it), so a
+    handler longer than `ack_wait` is not redelivered to another consumer meanwhile."""
     _one_key_source("nats_handler", header, field)
     source = header or "Nats-Msg-Id"
     every = progress_every if progress_every is not None else min(lease / 3, 5.0)
@@ -199,6 +206,7 @@ def nats_handler(
         headers: Mapping[str, str] = msg.headers or {}
         raw = _field_of(msg.data, field) if field is not None else headers.get(source)
 
+        space = namespace if namespace is not None else f"nats:{msg.metadata.stream}:{msg.metadata.consumer}"
         ticker = asyncio.ensure_future(_in_progress(msg, every))
         try:
             settle = await apply_once(
@@ -206,7 +214,7 @@ def nats_handler(
                 _key_of(raw),
                 msg.data,
                 lambda: handler(msg),
-                namespace=namespace,
+                namespace=space,
                 ttl=ttl,
                 lease=lease,
                 wait=wait,

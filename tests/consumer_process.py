@@ -53,7 +53,7 @@ async def rabbitmq(queue_name: str, prefix: str, counter: str) -> None:
     channel = await connection.channel()
     await channel.set_qos(prefetch_count=1)
     queue = await channel.get_queue(queue_name)
-    await queue.consume(rabbitmq_handler(store_for(prefix), handle))
+    await queue.consume(rabbitmq_handler(store_for(prefix), handle, namespace="payments"))
     print("ready", flush=True)
     await asyncio.Future()
 

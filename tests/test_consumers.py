@@ -91,7 +91,7 @@ async def consumer(rig: Rig, handle: Any) -> tuple[Any, RedisBackend]:
     channel = await rig.connection.channel()
     await channel.set_qos(prefetch_count=10)
     queue = await channel.get_queue(rig.queue)
-    await queue.consume(rabbitmq_handler(store, handle))
+    await queue.consume(rabbitmq_handler(store, handle, namespace="payments"))
     return channel, store
 
 
@@ -204,7 +204,7 @@ async def test_a_duplicate_of_a_slow_message_waits_for_it_instead_of_being_dead_
         await on_message(message)
 
     store = RedisBackend.from_url(REDIS_URL, prefix=rig.prefix)
-    on_message = rabbitmq_handler(store, handle)
+    on_message = rabbitmq_handler(store, handle, namespace="payments")
     channels = []
     for _ in range(2):
         channel = await rig.connection.channel()

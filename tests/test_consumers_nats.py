@@ -389,3 +389,31 @@ async def test_the_push_subscription_form_of_the_docs_applies_each_message_once(
     assert await rig.counts(ids) == [1] * 50
     assert applied_by[0] > 0 and applied_by[1] > 0, applied_by
     assert await rig.dead_letters() == []
+
+
+async def test_two_durables_doing_different_work_on_one_stream_each_apply_every_message(rig: Rig) -> None:
+    """The default namespace is the stream and consumer: a second durable (say, the ledger next to
+    the charge) is not told its messages were applied already by the first one's records."""
+    await rig.js.add_consumer(
+        rig.stream, ConsumerConfig(durable_name="ledger", ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT)
+    )
+    applied: list[tuple[str, str]] = []
+
+    async def handle(msg: Any) -> None:
+        applied.append((msg.metadata.consumer, msg.headers["Nats-Msg-Id"]))
+
+    store = RedisBackend.from_url(REDIS_URL, prefix=rig.prefix)  # one store for both, as in an app
+    on_message = nats_handler(store, handle)
+    connection = await nats.connect(NATS)
+    try:
+        js = connection.jetstream()
+        subscriptions = [await js.pull_subscribe_bind(durable=d, stream=rig.stream) for d in ("workers", "ledger")]
+        for i in range(5):
+            await rig.publish({"Nats-Msg-Id": f"pay-{i}"})
+        for sub in subscriptions:  # each durable gets every message
+            for msg in await sub.fetch(5, timeout=5):
+                await on_message(msg)
+    finally:
+        await store.aclose()
+        await connection.close()
+    assert sorted(applied) == sorted((d, f"pay-{i}") for d in ("workers", "ledger") for i in range(5))
