@@ -212,7 +212,7 @@ def idempotent(
     key: Callable[..., str] | None = None,
     args: Iterable[str] = (),
     fingerprint: Iterable[str] | None = None,
-    namespace: str = "jobs",
+    namespace: str | None = None,
     scope: Callable[..., str | None] | None = None,
     ttl: float = 86_400,
     lease: float = 30,
@@ -229,6 +229,9 @@ def idempotent(
         scope: Called with the arguments, returns the owner (tenant) the key belongs to.
         ttl, lease: As on a route; the lease is renewed while the function runs.
         wait: Seconds a repeat of a running call waits for its result before `InProgress`.
+        namespace: The key space; default `jobs:<module>.<qualified name>` of the function, so two
+            functions keyed by the same arguments never return each other's results (pass one to
+            keep records across a rename). The decorated function's `.namespace` says which.
         observer: Called with an `Event` at each decision, as the middleware's (route = namespace).
     """
     names = tuple(args)
@@ -240,6 +243,7 @@ def idempotent(
         returns = get_type_hints(func).get("return", Any)
         compared = None if fingerprint is None else tuple(fingerprint)
         decode = msgspec.msgpack.Decoder(returns).decode
+        space = namespace if namespace is not None else f"jobs:{func.__module__}.{func.__qualname__}"
 
         @functools.wraps(func)
         async def run(*a: P.args, **kw: P.kwargs) -> R:
@@ -253,7 +257,7 @@ def idempotent(
                 backend,
                 the_key,
                 fingerprint=_fingerprint(picked),
-                namespace=namespace,
+                namespace=space,
                 scope=owner,
                 ttl=ttl,
                 lease=lease,
@@ -267,6 +271,7 @@ def idempotent(
                 await job.store(value)
                 return value
 
+        run.namespace = space  # type: ignore[attr-defined]
         return run
 
     return decorate
