@@ -5,8 +5,6 @@ snippet runs as printed (top-level `await` included), with stand-ins for those o
 
 from __future__ import annotations
 
-import ast
-import builtins
 import re
 import unicodedata
 from pathlib import Path
@@ -18,6 +16,7 @@ from fastapi import FastAPI
 
 from idem_asgi.backends import Backend
 from tests.support.servers import REDIS_URL, ROOT, require
+from tests.support.snippets import compile_snippet, python_blocks, undefined_names
 
 PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
 README = ROOT / "README.md"
@@ -90,8 +89,7 @@ default router per process)."""
 
 
 def snippets() -> list[tuple[int, str]]:
-    text = README.read_text()
-    return [(text[: m.start()].count("\n") + 2, m.group(1)) for m in re.finditer(r"```python\n(.*?)```", text, re.S)]
+    return python_blocks(README)
 
 
 def section_of(line: int) -> str:
@@ -100,30 +98,6 @@ def section_of(line: int) -> str:
 
 
 RUNNABLE = [(n, code) for n, code in snippets() if section_of(n) not in RUN_IN_TEST_README]
-
-
-def parse(code: str) -> ast.Module:
-    tree = compile(code, "README.md", "exec", flags=ast.PyCF_ONLY_AST | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
-    assert isinstance(tree, ast.Module)
-    return tree
-
-
-def undefined_names(code: str) -> set[str]:
-    """Names read but never bound anywhere in the snippet (import, assignment, def, argument...)."""
-    bound: set[str] = set()
-    read: set[str] = set()
-    for node in ast.walk(parse(code)):
-        if isinstance(node, ast.Name):
-            (read if isinstance(node.ctx, ast.Load) else bound).add(node.id)
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            bound.add(node.name)
-        elif isinstance(node, ast.arg):
-            bound.add(node.arg)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            bound |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ExceptHandler) and node.name:
-            bound.add(node.name)
-    return read - bound - set(dir(builtins))
 
 
 def test_the_import_check_catches_a_missing_import() -> None:
@@ -170,7 +144,7 @@ async def test_every_readme_snippet_runs_as_printed(line: int, code: str) -> Non
         "record_charge": lambda charge: None,
     }
     code = code.replace("redis://localhost:6379/0", REDIS_URL)
-    compiled = compile(code, f"README.md:{line}", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+    compiled = compile_snippet(code, f"README.md:{line}")
     outcome = eval(compiled, namespace)  # the README's own code
     if outcome is not None:
         await outcome  # a snippet with top-level await

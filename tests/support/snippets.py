@@ -1,0 +1,55 @@
+"""Code blocks of the docs as code: find them, see which names they leave undefined, run them
+(top-level `await` included), for the tests that keep the README and docs working as printed."""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import re
+from pathlib import Path
+from types import CodeType
+
+
+def python_blocks(page: Path) -> list[tuple[int, str]]:
+    """(first line of the code, code) of every ```python block of a page, in order."""
+    text = page.read_text()
+    return [(text[: m.start()].count("\n") + 2, m.group(1)) for m in re.finditer(r"```python\n(.*?)```", text, re.S)]
+
+
+def compile_snippet(code: str, where: str) -> CodeType:
+    """Compiled as a module body that may `await` at the top (then `eval` returns a coroutine)."""
+    return compile(code, where, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+
+
+def parse(code: str) -> ast.Module:
+    tree = compile(code, "<snippet>", "exec", flags=ast.PyCF_ONLY_AST | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+    assert isinstance(tree, ast.Module)
+    return tree
+
+
+def undefined_names(code: str) -> set[str]:
+    """Names read but never bound anywhere in the snippet (import, assignment, def, argument...)."""
+    bound, read = _names(code)
+    return read - bound - set(dir(builtins))
+
+
+def bound_names(code: str) -> set[str]:
+    """Names a snippet defines at any level (what a later block on the same page may use)."""
+    return _names(code)[0]
+
+
+def _names(code: str) -> tuple[set[str], set[str]]:
+    bound: set[str] = set()
+    read: set[str] = set()
+    for node in ast.walk(parse(code)):
+        if isinstance(node, ast.Name):
+            (read if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    return bound, read
