@@ -18,7 +18,8 @@ def python_blocks(page: Path) -> list[tuple[int, str]]:
 
 def compile_snippet(code: str, where: str) -> CodeType:
     """Compiled as a module body that may `await` at the top (then `eval` returns a coroutine)."""
-    return compile(code, where, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+    compiled: CodeType = compile(code, where, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+    return compiled
 
 
 def parse(code: str) -> ast.Module:
