@@ -57,7 +57,7 @@ def broken_by(exc: BaseException | None) -> bool:
     """
     if exc is None or isinstance(exc, _REUSABLE):
         return False
-    return isinstance(exc, OSError | asyncpg.InterfaceError)
+    return isinstance(exc, OSError | asyncpg.InterfaceError | asyncpg.exceptions.InternalClientError)
 
 
 _REUSABLE: Final = (asyncpg.PostgresError, TimeoutError, asyncio.TimeoutError, asyncio.CancelledError)

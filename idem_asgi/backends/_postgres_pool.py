@@ -30,6 +30,9 @@ _UNAVAILABLE: Final = (
     OSError,
     *_TIMEOUT,
     asyncpg.InterfaceError,
+    # a connection killed while a statement ran may surface as asyncpg's own state error
+    # ("cannot switch to state 11; another operation is in progress"): lost, as a broken socket
+    asyncpg.exceptions.InternalClientError,
     asyncpg.PostgresConnectionError,
     asyncpg.exceptions.OperatorInterventionError,  # admin/crash shutdown, cannot connect now, query canceled
     asyncpg.exceptions.InsufficientResourcesError,  # too many connections, disk full
