@@ -1,0 +1,134 @@
+"""What `nats_handler` costs per message: microseconds and store calls, next to a bare `ack()`.
+
+N messages are published to a fresh JetStream stream, then consumed by one pull subscription
+(batches of 100, one message after another, so the figure is the per-message cost, not the
+broker's throughput); then the same N are published again under the same keys (another header, so
+JetStream's own de-duplication lets them through) and consumed: every one is a duplicate, acked
+without running. The handler does nothing. Store calls are counted on the backend (claim,
+complete, ...): the contract's cost is 2 per new message (claim + complete) and 1 per duplicate.
+
+    python -m benchmarks.bench_consumers              # 2000 messages, memory and Redis stores
+    python -m benchmarks.bench_consumers --n 500 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import nats
+from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+
+from idem_asgi.backends import Backend
+from idem_asgi.backends.memory import MemoryBackend
+from idem_asgi.backends.redis import RedisBackend
+from idem_asgi.consumers import nats_handler
+from idem_asgi.records import RecordKey
+from tests.support.servers import REDIS_URL
+from tests.support.stores import Delegating
+
+NATS = "nats://127.0.0.1:4222"
+
+
+class Counting(Delegating):
+    """Counts every store call by name."""
+
+    def __init__(self, inner: Backend) -> None:
+        super().__init__(inner)
+        self.calls: Counter[str] = Counter()
+
+    def before(self, op: str, key: RecordKey) -> RecordKey:
+        self.calls[op] += 1
+        return key
+
+
+async def _nothing(msg: Any) -> None:
+    return None
+
+
+async def consume(js: Any, stream: str, durable: str, n: int, on_message: Any) -> float:
+    """Seconds to fetch and settle n messages, one after another."""
+    sub = await js.pull_subscribe_bind(durable=durable, stream=stream)
+    done = 0
+    started = time.perf_counter()
+    while done < n:
+        for msg in await sub.fetch(min(100, n - done), timeout=10):
+            await on_message(msg)
+            done += 1
+    return time.perf_counter() - started
+
+
+async def one(kind: str, n: int) -> dict[str, Any]:
+    connection = await nats.connect(NATS)
+    js = connection.jetstream()
+    run = uuid.uuid4().hex[:10]
+    stream, subject = f"IDEM_BENCH_{run}", f"idem-bench.{run}"
+    await js.add_stream(StreamConfig(name=stream, subjects=[subject]))
+    await js.add_consumer(stream, ConsumerConfig(durable_name="bench", ack_policy=AckPolicy.EXPLICIT, ack_wait=30))
+    store: Counting | None = None
+    try:
+        on_message: Callable[[Any], Awaitable[None]]
+        if kind == "bare ack":
+
+            async def bare(msg: Any) -> None:
+                await msg.ack()
+
+            on_message = bare
+        else:
+            inner: Backend = (
+                MemoryBackend() if kind == "memory" else RedisBackend.from_url(REDIS_URL, prefix=f"idem-bench:{run}:")
+            )
+            store = Counting(inner)
+            on_message = nats_handler(store, _nothing, header="Payment-Id")
+        row: dict[str, Any] = {"store": kind, "messages": n}
+        for phase in ("new", "duplicate"):
+            for i in range(n):
+                await js.publish(subject, b'{"amount": 100}', headers={"Payment-Id": f"p-{i}"})
+            before = sum(store.calls.values()) if store else 0
+            seconds = await consume(js, stream, "bench", n, on_message)
+            row[f"{phase}_us_per_msg"] = round(seconds / n * 1e6, 1)
+            if store is not None:
+                row[f"{phase}_store_calls_per_msg"] = round((sum(store.calls.values()) - before) / n, 2)
+        return row
+    finally:
+        if store is not None:
+            await store.aclose()
+        await js.delete_stream(stream)
+        await connection.close()
+
+
+async def main_async(n: int, stores: list[str], as_json: bool) -> int:
+    rows = [await one(kind, n) for kind in ["bare ack", *stores]]
+    if as_json:
+        for row in rows:
+            print(json.dumps(row))
+        return 0
+    print(f"{'store':<10} {'new µs/msg':>11} {'calls/msg':>10} {'duplicate µs/msg':>17} {'calls/msg':>10}")
+    for r in rows:
+        calls = (f"{r.get('new_store_calls_per_msg', '-'):>10}", f"{r.get('duplicate_store_calls_per_msg', '-'):>10}")
+        print(f"{r['store']:<10} {r['new_us_per_msg']:>11} {calls[0]} {r['duplicate_us_per_msg']:>17} {calls[1]}")
+    bare = rows[0]
+    for r in rows[1:]:
+        extra = r["new_us_per_msg"] - bare["new_us_per_msg"]
+        dup = r["duplicate_us_per_msg"] - bare["duplicate_us_per_msg"]
+        print(f"{r['store']}: +{extra:.0f} µs per new message, +{dup:.0f} µs per duplicate, over a bare ack")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=2000)
+    parser.add_argument("--stores", default="memory,redis")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    return asyncio.run(main_async(args.n, args.stores.split(","), args.json))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
