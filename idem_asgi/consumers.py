@@ -14,9 +14,12 @@ delivery the same way:
   attempt and its bound (RabbitMQ quorum queue `x-delivery-limit`, JetStream consumer
   `max_deliver`) ends a poison message's retries instead of looping forever;
 - no key, another body under the same key, or an outcome unknown (the handler called
-  `current_job().mark_effect()`, then failed; or a consumer died mid-handler and its lease ran
-  out): dead-lettered at once (RabbitMQ reject without requeue; JetStream `term`), for a
-  person.
+  `current_job().mark_effect()`, then failed; its result could not be stored; or a consumer died
+  mid-handler and its lease ran out): dead-lettered at once (RabbitMQ reject without requeue;
+  JetStream `term`), for a person.
+
+Each consumer's work has a key space of its own (`namespace`): NATS derives it from the stream
+and the durable, RabbitMQ needs it named (a message does not say which queue it came from).
 """
 
 from __future__ import annotations
