@@ -18,7 +18,6 @@ import asyncio
 import json
 import time
 import uuid
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -29,23 +28,10 @@ from idem_asgi.backends import Backend
 from idem_asgi.backends.memory import MemoryBackend
 from idem_asgi.backends.redis import RedisBackend
 from idem_asgi.consumers import nats_handler
-from idem_asgi.records import RecordKey
 from tests.support.servers import REDIS_URL
-from tests.support.stores import Delegating
+from tests.support.stores import Counting
 
 NATS = "nats://127.0.0.1:4222"
-
-
-class Counting(Delegating):
-    """Counts every store call by name."""
-
-    def __init__(self, inner: Backend) -> None:
-        super().__init__(inner)
-        self.calls: Counter[str] = Counter()
-
-    def before(self, op: str, key: RecordKey) -> RecordKey:
-        self.calls[op] += 1
-        return key
 
 
 async def _nothing(msg: Any) -> None:

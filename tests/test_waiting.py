@@ -16,26 +16,8 @@ import pytest
 
 from idem_asgi import IdempotencyMiddleware, RoutePolicy
 from idem_asgi.backends import Backend
-from idem_asgi.records import RecordKey
 from tests.support.pay import Payments, post
-from tests.support.stores import Delegating
-
-
-class Counting(Delegating):
-    """Counts the store calls, by name."""
-
-    def __init__(self, inner: Backend) -> None:
-        super().__init__(inner)
-        self.calls: Counter[str] = Counter()
-
-    def before(self, op: str, key: RecordKey) -> RecordKey:
-        self.calls[op] += 1
-        return key
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "watch" and hasattr(self.inner, "watch"):
-            self.calls["watch"] += 1
-        return super().__getattr__(name)
+from tests.support.stores import Counting
 
 
 class Gated(Payments):

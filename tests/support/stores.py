@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import uuid
+from collections import Counter
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 import pytest
@@ -172,3 +173,20 @@ class Delegating:
 
     async def aclose(self) -> None:
         await self.inner.aclose()
+
+
+class Counting(Delegating):
+    """Counts the store calls, by name (`watch` too, where the store has it)."""
+
+    def __init__(self, inner: Backend) -> None:
+        super().__init__(inner)
+        self.calls: Counter[str] = Counter()
+
+    def before(self, op: str, key: RecordKey) -> RecordKey:
+        self.calls[op] += 1
+        return key
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "watch" and hasattr(self.inner, "watch"):
+            self.calls["watch"] += 1
+        return super().__getattr__(name)
