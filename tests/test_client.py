@@ -28,6 +28,7 @@ from idem_asgi._types import Receive, Scope, Send
 from idem_asgi.backends import Backend, MemoryBackend
 from idem_asgi.client import IdempotentRetrySyncTransport, IdempotentRetryTransport, was_replayed
 from idem_asgi.errors import BackendUnavailable
+from idem_asgi.problems import DEFAULT_PROBLEM_BASE
 from idem_asgi.records import ClaimResult, RecordKey
 from tests.support.asgi import read_body
 from tests.support.faultproxy import FaultProxy
@@ -52,7 +53,9 @@ class Shop:
     `/slow` after 0.5 s, `/hang` after 30 s, `/broken` always 503 from the app itself.
     """
 
-    def __init__(self, backend: Backend | None = None, *, lease: float = 30) -> None:
+    def __init__(
+        self, backend: Backend | None = None, *, lease: float = 30, problem_base: str = DEFAULT_PROBLEM_BASE
+    ) -> None:
         self.backend = backend if backend is not None else MemoryBackend()
         self.runs: Counter[str | None] = Counter()
         self.seen: list[tuple[str, str | None]] = []  # (path, key) of every request that reached the server
@@ -61,6 +64,7 @@ class Shop:
             self._handler,
             backend=self.backend,
             routes=[RoutePolicy("/*", methods=["POST", "PATCH"], single_tenant=True, lease=lease, retry_after=1)],
+            problem_base=problem_base,
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -219,6 +223,25 @@ async def test_in_progress_409_waits_for_retry_after_then_gets_the_replay() -> N
     await assert_first_answer(shop, repeat, replayed=True)
     assert repeat.extensions["idempotency_attempts"] == 2  # 409 in progress, then the replay
     assert elapsed >= 1.0  # it waited for Retry-After: 1 instead of hammering
+    assert repeat.content == first.content
+
+
+# (b) behind the problem base of the API's own docs (which the docs encourage), a 409 in progress is still
+# retried: the client reads the slug after the base, whatever the base is.
+@pytest.mark.parametrize("base", ["https://api.example.com/problems/", "https://docs.example.com/errors.html#"])
+async def test_in_progress_409_is_retried_behind_a_custom_problem_base(base: str) -> None:
+    shop = Shop(problem_base=base)
+    async with InProcess(shop) as c:
+        headers = {"Idempotency-Key": "checkout-base"}
+
+        async def second() -> httpx.Response:
+            await asyncio.sleep(0.15)
+            return await c.client.post("/slow", json={"amount": 5}, headers=headers)
+
+        first, repeat = await asyncio.gather(c.client.post("/slow", json={"amount": 5}, headers=headers), second())
+    await assert_first_answer(shop, first, replayed=False)
+    await assert_first_answer(shop, repeat, replayed=True)
+    assert repeat.extensions["idempotency_attempts"] == 2  # 409 in progress (under `base`), then the replay
     assert repeat.content == first.content
 
 
