@@ -62,6 +62,7 @@ from ._redis_durable import run_then_wait
 from ._redis_errors import MISCONFIGURED, UNAVAILABLE, wrapped
 from ._redis_notices import Notices
 from ._redis_stale import _glob_escape, scan_stale
+from ._redis_url import check_options
 
 try:
     from ._resp import RespPool
@@ -219,10 +220,14 @@ class RedisBackend(ClosingMixin):
             client_options: Passed to redis-py (`ssl_ca_certs`, `username`, `password`, ...),
                 and `durable_replicas` / `durable_timeout` to the backend (see the class).
 
-        For a `redis://` or `unix://` URL without cluster and with no client option beyond
-        `username`, `password` and `db`, the script calls go through a lean connection pool
-        (`_resp.RespPool`, hiredis; same size, timeout and one-retry rules) that costs a fraction
-        of redis-py's CPU per call; the redis-py client then serves only the ops tools.
+        The URL is parsed by redis-py alone (its rules for the db in the path or in `?db=`, for
+        credentials and query options). For a `redis://` or `unix://` URL without cluster, the
+        script calls go through a lean connection pool (`_resp.RespPool`, hiredis; same server,
+        db, credentials, size, timeouts and one-retry rule) that costs a fraction of redis-py's
+        CPU per call, and the redis-py client serves only the ops tools; a URL or option asking
+        for what the lean pool does not do (TLS, RESP3, `client_name`, `retry_on_timeout`,
+        `health_check_interval`, ...) leaves every call to redis-py. An option redis-py's
+        connections do not take (a typo) raises `ConfigurationError` here, not at the first request.
         """
         durable = {
             k: client_options.pop(k)
@@ -256,10 +261,12 @@ class RedisBackend(ClosingMixin):
         pool = aioredis.BlockingConnectionPool.from_url(
             url, max_connections=max_connections, timeout=timeout, **options
         )
+        check_options(pool)
         client = aioredis.Redis.from_pool(pool)
+        # The lean pool reads redis-py's own parse of the URL: both use one server, one db, one user.
         lean = None
         if RespPool is not None:
-            lean = RespPool.from_url(url, timeout=timeout, max_connections=max_connections, options=client_options)
+            lean = RespPool.from_client(client, timeout=timeout, max_connections=max_connections)
         return cls(client, prefix=prefix, timeout=timeout, _owned=True, _lean=lean, **durable)
 
     def _names(self, key: RecordKey) -> tuple[bytes, bytes, bytes]:
