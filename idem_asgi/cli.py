@@ -2,7 +2,7 @@
 
     idem-asgi --backend redis://localhost:6379/0 inspect pay-7f3a --scope tenant-42
     idem-asgi stale --older-than 300                        # backend from $IDEM_BACKEND_URL
-    idem-asgi reconcile --hook shop.ops:resolve --dry-run
+    idem-asgi reconcile --hook shop.ops:resolve --transform shop.ops:sealing --dry-run
     idem-asgi purge --batch-size 5000
     idem-asgi --backend postgresql://app@db/shop migrate --print
 
@@ -35,6 +35,7 @@ from .errors import BackendError, BackendMisconfigured, BackendUnavailable, Conf
 from .keys import ANONYMOUS_SCOPE, stored_scope
 from .reconcile import ReconcilableBackend, Resolver, reconcile
 from .records import RecordKey
+from .transform import AnswerTransform
 
 __all__ = ["main", "run"]
 
@@ -109,6 +110,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--lease", type=float, default=30.0, help="lease held while writing an outcome, seconds (30)")
     p.add_argument("--concurrency", type=int, default=1, help="claims resolved at once (1)")
+    p.add_argument(
+        "--transform",
+        metavar="MODULE:NAME",
+        default=None,
+        help="the app's transform (EncryptBody, ...): resolved answers are sealed as the app seals them "
+        "(default: stored in clear, marked so; they replay under any transform)",
+    )
     p.add_argument("--dry-run", action="store_true", help="ask the hook, write nothing")
 
     p = sub.add_parser("purge", help="delete expired records (Redis expires them by itself)")
@@ -325,6 +333,7 @@ async def _inspect(args: argparse.Namespace) -> int:
         if record.response is not None:
             r = record.response
             note = "replayable" if r.replayable else "not replayable (too large to store)"
+            note += ", sealed (the app's transform opens it)" if r.sealed else ""
             out.append(f"response  {r.status}, {len(r.headers)} headers, {len(r.body)} bytes, {note}")
             out.extend(f"  {text(n)}: {text(v)}" for n, v in r.headers)
         return out
@@ -356,9 +365,27 @@ async def _stale(args: argparse.Namespace) -> int:
 
 
 def _load_hook(spec: str) -> Resolver:
+    obj = _imported(spec, "--hook must be MODULE:FUNCTION", "hook")
+    if not callable(obj):
+        raise ConfigurationError(f"hook {spec!r} is not callable")
+    resolver: Resolver = obj
+    return resolver
+
+
+def _load_transform(spec: str | None) -> AnswerTransform | None:
+    if spec is None:
+        return None
+    obj = _imported(spec, "--transform must be MODULE:NAME", "transform")
+    if not isinstance(obj, AnswerTransform):
+        raise ConfigurationError(f"transform {spec!r} has no store(response) and load(response) methods")
+    return obj
+
+
+def _imported(spec: str, usage: str, what: str) -> Any:
+    """`MODULE:ATTR` (dotted attributes allowed), imported from the current project as `python -m` does."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ConfigurationError(f"--hook must be MODULE:FUNCTION, got {spec!r}")
+        raise ConfigurationError(f"{usage}, got {spec!r}")
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
         sys.path.insert(0, cwd)  # as `python -m` does: hooks in the current project are found
@@ -366,24 +393,24 @@ def _load_hook(spec: str) -> Resolver:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise ConfigurationError(f"hook module {module_name!r} not found") from None
-        raise ConfigurationError(f"importing hook module {module_name!r} failed: {exc}") from None
+            raise ConfigurationError(f"{what} module {module_name!r} not found") from None
+        raise ConfigurationError(f"importing {what} module {module_name!r} failed: {exc}") from None
     except Exception as exc:
-        raise ConfigurationError(f"importing hook module {module_name!r} failed: {type(exc).__name__}: {exc}") from None
+        raise ConfigurationError(
+            f"importing {what} module {module_name!r} failed: {type(exc).__name__}: {exc}"
+        ) from None
     obj: Any = module
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise ConfigurationError(f"hook module {module_name!r} has no {attr!r}") from None
-    if not callable(obj):
-        raise ConfigurationError(f"hook {spec!r} is not callable")
-    resolver: Resolver = obj
-    return resolver
+            raise ConfigurationError(f"{what} module {module_name!r} has no {attr!r}") from None
+    return obj
 
 
 async def _reconcile(args: argparse.Namespace) -> int:
     resolve = _load_hook(args.hook)
+    transform = _load_transform(args.transform)
     if args.limit < 1 or args.concurrency < 1:
         raise ConfigurationError("--limit and --concurrency must be at least 1")
     _not_negative(args.older_than, "--older-than")
@@ -400,6 +427,7 @@ async def _reconcile(args: argparse.Namespace) -> int:
             namespace=args.namespace,
             dry_run=args.dry_run,
             concurrency=args.concurrency,
+            transform=transform,
         )
     _emit(args, report_doc(report), lambda: report_lines(report))
     return 1 if report.errors else 0

@@ -189,7 +189,7 @@ class PostgresBackend(ClosingMixin):
     async def _create(self, conn: Any) -> None:
         exists = "SELECT " + " AND ".join(f"to_regclass(${i}) IS NOT NULL" for i in range(1, len(self._relations) + 1))
         # (and the newest column: tables made by earlier releases get it from the DDL's ALTER)
-        exists += " AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'ttl')"
+        exists += " AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'sealed')"
         if await conn.fetchval(exists, *self._relations, timeout=self.timeout):
             return  # nothing to do, and no lock taken on a table that is serving
         # CREATE ... IF NOT EXISTS is not safe against itself: two workers starting together can
@@ -342,6 +342,7 @@ class PostgresBackend(ClosingMixin):
             response.replayable,
             ttl,
             trailers,
+            response.sealed or None,
         )
         status, retried = await self._runner.run_again(pool, "execute", self.sql.complete, *args, *payload)
         if status == "UPDATE 1":
@@ -426,7 +427,7 @@ class PostgresBackend(ClosingMixin):
         pool = await self._get_pool()
         rows = await self._runner.run(pool, "fetch", self.sql.stale, float(older_than), limit, namespace)
         return [
-            StaleRecord(_row_key(row[14], row[15], row[16], self.store_keys), _record(row), row[1] == b"e")
+            StaleRecord(_row_key(row[15], row[16], row[17], self.store_keys), _record(row), row[1] == b"e")
             for row in rows
         ]
 
@@ -501,7 +502,7 @@ def _record(row: Any) -> Record:
     response = None
     if state == b"c" and row[6] is not None:
         trailers = None if row[12] is None else _headers_decode(row[12])
-        response = StoredResponse(row[6], _headers_decode(row[7]), row[8], row[9], trailers)
+        response = StoredResponse(row[6], _headers_decode(row[7]), row[8], row[9], trailers, bool(row[14]))
     return Record(
         COMPLETED if state == b"c" else IN_PROGRESS,
         row[2],
