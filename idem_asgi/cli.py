@@ -63,9 +63,10 @@ def _common(parser: argparse.ArgumentParser, *, top: bool) -> None:
     parser.add_argument("--table", default=default("idem_records"), help="Postgres table (default: idem_records)")
     parser.add_argument(
         "--store-keys",
-        action="store_true",
-        default=default(False),
-        help="the app keeps raw keys (store_keys=True): look Postgres records up by them",
+        action=argparse.BooleanOptionalAction,
+        default=default(None),
+        help="the app keeps raw keys (store_keys=True), or not (--no-store-keys); "
+        "default: as the store records it (see migrate)",
     )
     parser.add_argument("--cluster", action="store_true", default=default(False), help="the Redis URL is a cluster")
     parser.add_argument("--timeout", type=float, default=default(5.0), help="seconds per store call (default: 5)")
@@ -203,24 +204,25 @@ def _url(args: argparse.Namespace) -> str:
 
 
 @contextlib.asynccontextmanager
-async def _open(args: argparse.Namespace, *, create_table: bool = False) -> AsyncIterator[Any]:
+async def _open(args: argparse.Namespace, *, follow: bool = True) -> AsyncIterator[Any]:
     """The store named by the URL, through the one scheme table (`backends.SCHEMES`), closed on the way out.
 
     A Postgres store gets a small pool and never creates its table as a side effect (only `migrate`
-    does), so a missing table is reported as the configuration error it is.
+    does), so a missing table is reported as the configuration error it is. Without `--store-keys`
+    or `--no-store-keys`, the store looks records up by the form its apps record (`follow`).
     """
     url = _url(args)
     cls = backend_class(url)
     options: dict[str, Any] = {}
     if cls.__name__ == "RedisBackend":
         options = {"prefix": args.prefix, "timeout": args.timeout, "cluster": args.cluster, "max_connections": 8}
-        options["store_keys"] = args.store_keys
+        options["store_keys"] = bool(args.store_keys)
     elif cls.__name__ == "PostgresBackend":
         options = {
             "table": args.table,
             "timeout": args.timeout,
-            "create_table": create_table,
-            "store_keys": args.store_keys,
+            "create_table": False,
+            "store_keys": bool(args.store_keys),
             "min_size": 1,
             "max_size": 2,
             "server_settings": {"application_name": PROG},
@@ -230,6 +232,9 @@ async def _open(args: argparse.Namespace, *, create_table: bool = False) -> Asyn
     except (ValueError, TypeError) as exc:
         raise ConfigurationError(f"invalid backend URL: {exc}") from None
     async with backend:
+        if follow and args.store_keys is None and hasattr(backend, "raw_keys_recorded"):
+            # Look records up as the apps of this store do (Postgres finds rows by that form).
+            backend.store_keys = await backend.raw_keys_recorded() is not None
         yield backend
 
 
@@ -450,9 +455,9 @@ async def _migrate(args: argparse.Namespace) -> int:
         raise ConfigurationError(f"no backend: pass --backend URL or set {ENV_URL}")
     kind = None if url is None else backend_class(url).__name__
     if kind == "RedisBackend":  # no schema: only records that hold raw keys to rewrite
-        async with _open(args) as redis_store:
-            rewritten, _ = (0, 0) if args.store_keys else await redis_store.hash_stored_keys()
-        _emit(args, {"keys_hashed": rewritten}, lambda: [f"raw keys removed from {rewritten} record(s)"])
+        async with _open(args, follow=False) as redis_store:
+            doc, lines = await _key_form(args, redis_store, "records")
+        _emit(args, doc, lambda: lines)
         return 0
     if kind is not None and kind != "PostgresBackend":
         raise ConfigurationError("migrate is for postgresql:// and Redis backends; the memory store keeps nothing")
@@ -462,15 +467,30 @@ async def _migrate(args: argparse.Namespace) -> int:
         ddl = PostgresBackend(table=args.table).ddl
         _emit(args, {"table": args.table, "ddl": ddl}, lambda: [ddl.rstrip("\n")])
         return 0
-    async with _open(args) as backend:
+    async with _open(args, follow=False) as backend:
         await backend.setup()
-        rewritten, left = (0, 0) if args.store_keys else await backend.hash_stored_keys()
-    doc = {"table": args.table, "applied": True, "keys_hashed": rewritten, "keys_left": left}
-    lines = [f"schema ready: table {args.table}"]
-    if rewritten or left:
-        lines.append(f"raw keys replaced by their digest in {rewritten} row(s); {left} left (a newer row exists)")
-    _emit(args, doc, lambda: lines)
+        form, lines = await _key_form(args, backend, "rows")
+    _emit(args, {"table": args.table, "applied": True, **form}, lambda: [f"schema ready: table {args.table}", *lines])
     return 0
+
+
+async def _key_form(args: argparse.Namespace, store: Any, what: str) -> tuple[dict[str, Any], list[str]]:
+    """Raw keys: kept while the store records an app with `store_keys=True` (or `--store-keys` says
+    so, and is recorded); else rewritten to their digest (`--no-store-keys` first drops the record).
+    So `migrate` at every deploy never changes how a live app finds its records."""
+    if args.store_keys is False:
+        await store.forget_raw_keys()
+    elif args.store_keys:
+        await store.record_raw_keys()
+    since = None if args.store_keys is False else await store.raw_keys_recorded()
+    if since is not None:
+        note = f"raw keys kept: an app with store_keys=True uses this store (recorded {iso(since)})"
+        return {"store_keys": True, "keys_hashed": 0, "keys_left": 0}, [note]
+    rewritten, left = await store.hash_stored_keys()
+    doc = {"store_keys": False, "keys_hashed": rewritten, "keys_left": left}
+    if not (rewritten or left):
+        return doc, []
+    return doc, [f"raw keys replaced by their digest in {rewritten} {what}; {left} left (a newer record exists)"]
 
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], Awaitable[int]]] = {

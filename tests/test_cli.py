@@ -59,7 +59,8 @@ async def store(request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[st
     args = ["--backend", POSTGRES_DSN, "--table", table, "--store-keys"]
     # The CLI makes the table (and nothing else does: the backend below is given a pool).
     assert await run([*args, "migrate"]) == 0
-    assert capsys.readouterr().out == f"schema ready: table {table}\n"
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"schema ready: table {table}" and out[1].startswith("raw keys kept: an app with store_keys=True")
     pool = await asyncpg.create_pool(POSTGRES_DSN, min_size=1, max_size=4)
     try:
         async with PostgresBackend(pool, table=table, store_keys=True) as pg:
@@ -157,6 +158,7 @@ async def test_inspect_prints_a_completed_record(
         "headers": [["content-type", "application/json"], ["x-charge", "ch_1"]],
         "body_size": len(RESPONSE.body),
         "replayable": True,
+        "sealed": False,
     }
     assert abs(iso(doc["expires_at"]) - time.time() - DAY) < 60
     assert iso(doc["lease_until"]) <= time.time() + 5

@@ -30,8 +30,8 @@ CREATE TABLE IF NOT EXISTS {table} (
     trailers    bytea,                           -- msgpack list of HTTP trailer pairs, NULL when none
     ttl         float8,                          -- seconds the record was claimed for (reconcile keeps that)
     sealed      boolean,                         -- the answer went through the app's transform (NULL: in clear)
-    PRIMARY KEY (namespace, scope, key)
-);
+    PRIMARY KEY (namespace, scope, key)          -- (namespace '', key E'\\x1fstore_keys': the settings row of
+);                                               -- an app with store_keys=True; migrate keeps raw keys then)
 ALTER TABLE {table} ADD COLUMN IF NOT EXISTS checkpoint text;
 ALTER TABLE {table} ADD COLUMN IF NOT EXISTS trailers bytea;
 ALTER TABLE {table} ADD COLUMN IF NOT EXISTS ttl float8;
