@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib
 import json
 import logging
 import os
@@ -28,14 +27,14 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Final
 
+from ._cli_load import load_hook, load_transform
 from ._cli_output import iso, key_doc, key_label, label, record_doc, report_doc, report_lines, stale_doc, text
 from .backends import backend_class
 from .backends._protocol import Backend
 from .errors import BackendError, BackendMisconfigured, BackendUnavailable, ConfigurationError, InvalidScope
 from .keys import ANONYMOUS_SCOPE, stored_scope
-from .reconcile import ReconcilableBackend, Resolver, reconcile
+from .reconcile import ReconcilableBackend, reconcile
 from .records import RecordKey
-from .transform import AnswerTransform
 
 __all__ = ["main", "run"]
 
@@ -369,53 +368,9 @@ async def _stale(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_hook(spec: str) -> Resolver:
-    obj = _imported(spec, "--hook must be MODULE:FUNCTION", "hook")
-    if not callable(obj):
-        raise ConfigurationError(f"hook {spec!r} is not callable")
-    resolver: Resolver = obj
-    return resolver
-
-
-def _load_transform(spec: str | None) -> AnswerTransform | None:
-    if spec is None:
-        return None
-    obj = _imported(spec, "--transform must be MODULE:NAME", "transform")
-    if not isinstance(obj, AnswerTransform):
-        raise ConfigurationError(f"transform {spec!r} has no store(response) and load(response) methods")
-    return obj
-
-
-def _imported(spec: str, usage: str, what: str) -> Any:
-    """`MODULE:ATTR` (dotted attributes allowed), imported from the current project as `python -m` does."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigurationError(f"{usage}, got {spec!r}")
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.insert(0, cwd)  # as `python -m` does: hooks in the current project are found
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise ConfigurationError(f"{what} module {module_name!r} not found") from None
-        raise ConfigurationError(f"importing {what} module {module_name!r} failed: {exc}") from None
-    except Exception as exc:
-        raise ConfigurationError(
-            f"importing {what} module {module_name!r} failed: {type(exc).__name__}: {exc}"
-        ) from None
-    obj: Any = module
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ConfigurationError(f"{what} module {module_name!r} has no {attr!r}") from None
-    return obj
-
-
 async def _reconcile(args: argparse.Namespace) -> int:
-    resolve = _load_hook(args.hook)
-    transform = _load_transform(args.transform)
+    resolve = load_hook(args.hook)
+    transform = load_transform(args.transform)
     if args.limit < 1 or args.concurrency < 1:
         raise ConfigurationError("--limit and --concurrency must be at least 1")
     _not_negative(args.older_than, "--older-than")
