@@ -27,6 +27,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Final
 
+import msgspec
+
 from ._cli_load import load_hook, load_transform
 from ._cli_output import iso, key_doc, key_label, label, record_doc, report_doc, report_lines, stale_doc, text
 from .backends import backend_class
@@ -203,12 +205,11 @@ def _url(args: argparse.Namespace) -> str:
 
 
 @contextlib.asynccontextmanager
-async def _open(args: argparse.Namespace, *, follow: bool = True) -> AsyncIterator[Any]:
+async def _open(args: argparse.Namespace) -> AsyncIterator[Any]:
     """The store named by the URL, through the one scheme table (`backends.SCHEMES`), closed on the way out.
 
     A Postgres store gets a small pool and never creates its table as a side effect (only `migrate`
-    does), so a missing table is reported as the configuration error it is. Without `--store-keys`
-    or `--no-store-keys`, the store looks records up by the form its apps record (`follow`).
+    does), so a missing table is reported as the configuration error it is.
     """
     url = _url(args)
     cls = backend_class(url)
@@ -231,9 +232,6 @@ async def _open(args: argparse.Namespace, *, follow: bool = True) -> AsyncIterat
     except (ValueError, TypeError) as exc:
         raise ConfigurationError(f"invalid backend URL: {exc}") from None
     async with backend:
-        if follow and args.store_keys is None and hasattr(backend, "raw_keys_recorded"):
-            # Look records up as the apps of this store do (Postgres finds rows by that form).
-            backend.store_keys = await backend.raw_keys_recorded() is not None
         yield backend
 
 
@@ -311,6 +309,9 @@ async def _inspect(args: argparse.Namespace) -> int:
     key = RecordKey.build(_utf8(args.namespace, "--namespace"), _stored_scope(scope), _utf8(args.key, "the key"))
     async with _open(args) as backend:
         record = await backend.get(key)
+        if record is None and args.store_keys is None and type(backend).__name__ == "PostgresBackend":
+            # Not told which form the app writes: a row kept raw (`store_keys=True`, 0.1.0) too.
+            record = await backend.get(msgspec.structs.replace(key, stored_raw=True))
     if record is None:
         missing = f"no record for {label(key.namespace, key.scope, key.key)}"
         _emit(args, {**key_doc(key), "found": False}, lambda: [missing])
@@ -410,7 +411,7 @@ async def _migrate(args: argparse.Namespace) -> int:
         raise ConfigurationError(f"no backend: pass --backend URL or set {ENV_URL}")
     kind = None if url is None else backend_class(url).__name__
     if kind == "RedisBackend":  # no schema: only records that hold raw keys to rewrite
-        async with _open(args, follow=False) as redis_store:
+        async with _open(args) as redis_store:
             doc, lines = await _key_form(args, redis_store, "records")
         _emit(args, doc, lambda: lines)
         return 0
@@ -422,7 +423,7 @@ async def _migrate(args: argparse.Namespace) -> int:
         ddl = PostgresBackend(table=args.table).ddl
         _emit(args, {"table": args.table, "ddl": ddl}, lambda: [ddl.rstrip("\n")])
         return 0
-    async with _open(args, follow=False) as backend:
+    async with _open(args) as backend:
         await backend.setup()
         form, lines = await _key_form(args, backend, "rows")
     _emit(args, {"table": args.table, "applied": True, **form}, lambda: [f"schema ready: table {args.table}", *lines])

@@ -245,6 +245,30 @@ async def test_in_progress_409_is_retried_behind_a_custom_problem_base(base: str
     assert repeat.content == first.content
 
 
+@pytest.mark.parametrize(
+    ("problem_type", "retried"),
+    [
+        ("https://api.example.com/problems/request-in-progress", True),
+        ("https://docs.example.com/errors.html#request-in-progress", True),
+        ("/problems/request-in-progress", True),  # a relative reference (RFC 9457 allows one)
+        ("#request-in-progress", True),
+        ("urn:idem-asgi:problem:request-in-progress", True),  # 0.1.0's form
+        ("https://api.example.com/problems/outcome-unknown", False),
+        ("https://api.example.com/problems/request-in-progress-elsewhere", False),
+        ("https://api.example.com/problems/", False),
+    ],
+)
+async def test_the_in_progress_slug_is_read_after_any_problem_base(problem_type: str, retried: bool) -> None:
+    answers = [
+        httpx.Response(409, json={"type": problem_type, "status": 409}, headers={"retry-after": "0"}),
+        httpx.Response(201, json={"charge": "ch_1"}),
+    ]
+    transport = IdempotentRetryTransport(httpx.MockTransport(lambda request: answers.pop(0)), **FAST)
+    async with httpx.AsyncClient(transport=transport, base_url="http://shop.test") as client:
+        r = await client.post("/payments", json={"amount": 5})
+    assert (r.status_code, r.extensions["idempotency_attempts"]) == ((201, 2) if retried else (409, 1))
+
+
 # (b) the client's attempt times out while the handler still runs; the retry meets 409, then the replay
 async def test_timeout_while_running_then_409_then_replay() -> None:
     shop = Shop()

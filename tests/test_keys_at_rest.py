@@ -178,3 +178,18 @@ async def test_rewriting_stops_where_an_app_keeping_raw_keys_is_recorded(
     assert SECRET_KEY.encode() in await at_rest(kind, raw, key)
     busy = await raw.claim(key, b"fp", lease=30, ttl=600)
     assert isinstance(busy, Existing) and busy.record.token == claimed.token
+
+
+async def test_inspect_finds_a_record_in_either_form_unless_told(
+    kind: str, stores: tuple[Backend, Backend, list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One table, an app of each kind (its record in its own form): `inspect` without a flag finds both."""
+    hashed, raw, args = stores
+    namespace = f"t-{uuid.uuid4().hex}"
+    for store, name in ((raw, "kept-raw"), (hashed, "kept-hashed")):
+        key = RecordKey.build(namespace, None, name)
+        claimed = await store.claim(key, b"fp", lease=30, ttl=600)
+        assert isinstance(claimed, Claimed) and await store.complete(key, claimed.token, RESPONSE, ttl=600)
+    for name in ("kept-raw", "kept-hashed"):
+        assert await run([*args, "--json", "inspect", name, "--namespace", namespace]) == 0, name
+        assert json.loads(capsys.readouterr().out)["response"]["status"] == 201
