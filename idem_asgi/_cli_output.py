@@ -23,6 +23,7 @@ def response_doc(response: StoredResponse) -> dict[str, Any]:
         "headers": [[text(n), text(v)] for n, v in response.headers],
         "body_size": len(response.body),
         "replayable": response.replayable,
+        "sealed": response.sealed,
     }
 
 

@@ -36,6 +36,7 @@ from .keys import route_key
 from .observe import EventName
 from .records import Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
 from .routing import Route, route_path
+from .transform import seal, unseal
 
 if TYPE_CHECKING:
     from .backends import Backend
@@ -499,17 +500,15 @@ class Protected:
             self.mw.emit("lease_lost", route, rkey, status)
 
     def _sealed(self, response: StoredResponse) -> StoredResponse:
-        """The answer as the store keeps it (the middleware's `transform`)."""
-        transform = self.mw.transform
-        return response if transform is None else transform.store(response)
+        """The answer as the store keeps it (the middleware's `transform`, marked sealed)."""
+        return seal(self.mw.transform, response)
 
     def _opened(self, response: StoredResponse) -> StoredResponse:
-        """A stored answer as it is replayed; a transform that cannot open it is a server misconfiguration."""
-        transform = self.mw.transform
-        if transform is None:
-            return response
+        """A stored answer as it is replayed; a sealed one this server cannot open is a misconfiguration."""
+        if not response.sealed:
+            return response  # stored in clear (also before the transform was turned on): as it was stored
         try:
-            return transform.load(response)
+            return unseal(self.mw.transform, response)
         except Exception as exc:
             throttled(logging.ERROR, f"idem_asgi: the answer transform cannot read a stored answer: {exc!r}")
             raise Refused(

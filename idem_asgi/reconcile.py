@@ -32,7 +32,7 @@ from ._logging import redact
 from .backends._protocol import Backend, Maintenance
 from .errors import ConfigurationError
 from .records import IN_PROGRESS, Claimed, Record, RecordKey, StaleRecord, StoredResponse
-from .transform import AnswerTransform
+from .transform import AnswerTransform, seal
 
 __all__ = [
     "ReconcilableBackend",
@@ -140,8 +140,9 @@ async def reconcile(
         namespace: Only this namespace's claims (another app's claims need another resolver).
         dry_run: Ask `resolve` but write nothing; the counts say what would have been done.
         concurrency: Claims resolved at once (each `resolve` may call a payment provider).
-        transform: The middleware's `transform`, if it has one: resolved answers are stored through
-            it, so its replays can open them.
+        transform: The middleware's `transform`, if it has one: resolved answers are sealed through
+            it (and marked so). Without one they are stored in clear, marked so, and replay as
+            stored whatever transform the app has (`idem_asgi.transform`).
     """
     if concurrency < 1:
         raise ConfigurationError(f"concurrency must be at least 1, got {concurrency!r}")
@@ -209,8 +210,8 @@ async def _resolve_one(
     if keep is None and isinstance(outcome, StoredResponse):
         return "skipped", "its TTL is not stored (an older record): pass ttl= (--ttl) to store an answer"
     try:
-        if transform is not None and isinstance(outcome, StoredResponse):
-            outcome = transform.store(outcome)
+        if isinstance(outcome, StoredResponse):
+            outcome = seal(transform, outcome)  # marked, so the app opens it with its own transform
         return await _apply(backend, s, outcome, ttl=keep or lease, lease=lease)
     except Exception as exc:
         logger.warning("idem_asgi: reconcile could not write the outcome for key %r: %s", s.key.key, exc)

@@ -25,6 +25,7 @@ from idem_asgi.backends.postgres import PostgresBackend
 from idem_asgi.backends.redis import RedisBackend
 from idem_asgi.cli import main, run
 from idem_asgi.records import COMPLETED, Claimed, RecordKey, StoredResponse
+from idem_asgi.transform import unseal
 from tests.support.servers import POSTGRES_DSN, REDIS_URL, free_port, require
 from tests.support.stores import SHARED
 
@@ -58,7 +59,8 @@ async def store(request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[st
     args = ["--backend", POSTGRES_DSN, "--table", table, "--store-keys"]
     # The CLI makes the table (and nothing else does: the backend below is given a pool).
     assert await run([*args, "migrate"]) == 0
-    assert capsys.readouterr().out == f"schema ready: table {table}\n"
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"schema ready: table {table}" and out[1].startswith("raw keys kept: an app with store_keys=True")
     pool = await asyncpg.create_pool(POSTGRES_DSN, min_size=1, max_size=4)
     try:
         async with PostgresBackend(pool, table=table, store_keys=True) as pg:
@@ -113,6 +115,12 @@ def hook_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str
                 return None
 
             not_a_function = 42
+
+            from cryptography.fernet import Fernet
+            from idem_asgi.transform import EncryptBody
+
+            fernet = Fernet(Fernet.generate_key())
+            sealing = EncryptBody(fernet.encrypt, fernet.decrypt)  # the app's transform
             """
         )
     )
@@ -150,6 +158,7 @@ async def test_inspect_prints_a_completed_record(
         "headers": [["content-type", "application/json"], ["x-charge", "ch_1"]],
         "body_size": len(RESPONSE.body),
         "replayable": True,
+        "sealed": False,
     }
     assert abs(iso(doc["expires_at"]) - time.time() - DAY) < 60
     assert iso(doc["lease_until"]) <= time.time() + 5
@@ -208,6 +217,38 @@ async def test_reconcile_runs_the_hook(
 
     code, doc = await cli_json(capsys, *store.args, "inspect", "paid-1", "--namespace", namespace)
     assert code == 0 and doc["response"]["status"] == 200 and iso(doc["expires_at"]) < time.time() + 700
+
+
+async def test_reconcile_seals_resolved_answers_with_the_apps_transform(
+    store: Store, namespace: str, hook_module: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--transform` seals what `reconcile` stores as the app seals it; without it, the answer is stored
+    in clear and marked so (the app's transform replays it as stored)."""
+    sealed_key, clear_key = (
+        RecordKey.build(namespace, None, "paid-sealed"),
+        RecordKey.build(namespace, None, "paid-clear"),
+    )
+    await stuck(store.backend, sealed_key)
+    await asyncio.sleep(0.25)
+    base = [*store.args, "reconcile", "--hook", f"{hook_module}:resolve", "--older-than", "0", "--namespace", namespace]
+    code, doc = await cli_json(capsys, *base, "--ttl", "600", "--transform", f"{hook_module}:sealing")
+    assert code == 0 and doc["completed"] == 1
+    record = await store.backend.get(sealed_key)
+    assert record is not None and record.response is not None and record.response.sealed
+    assert record.response.body != FOUND.body and b"ch_from_provider" not in record.response.body
+    assert unseal(sys.modules[hook_module].sealing, record.response) == FOUND
+    code, doc = await cli_json(capsys, *store.args, "inspect", "paid-sealed", "--namespace", namespace)
+    assert code == 0 and doc["response"]["sealed"] is True
+
+    await stuck(store.backend, clear_key)
+    await asyncio.sleep(0.25)
+    code, doc = await cli_json(capsys, *base, "--ttl", "600")
+    assert code == 0 and doc["completed"] == 1
+    record = await store.backend.get(clear_key)
+    assert record is not None and record.response == FOUND and not record.response.sealed
+
+    code, out, err = await cli(capsys, *base, "--transform", f"{hook_module}:not_a_function")
+    assert code == 2 and "has no store(response) and load(response) methods" in err and out == ""
 
 
 async def test_reconcile_with_a_failing_hook_exits_1_without_a_traceback(

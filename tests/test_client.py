@@ -28,6 +28,7 @@ from idem_asgi._types import Receive, Scope, Send
 from idem_asgi.backends import Backend, MemoryBackend
 from idem_asgi.client import IdempotentRetrySyncTransport, IdempotentRetryTransport, was_replayed
 from idem_asgi.errors import BackendUnavailable
+from idem_asgi.problems import DEFAULT_PROBLEM_BASE
 from idem_asgi.records import ClaimResult, RecordKey
 from tests.support.asgi import read_body
 from tests.support.faultproxy import FaultProxy
@@ -52,7 +53,9 @@ class Shop:
     `/slow` after 0.5 s, `/hang` after 30 s, `/broken` always 503 from the app itself.
     """
 
-    def __init__(self, backend: Backend | None = None, *, lease: float = 30) -> None:
+    def __init__(
+        self, backend: Backend | None = None, *, lease: float = 30, problem_base: str = DEFAULT_PROBLEM_BASE
+    ) -> None:
         self.backend = backend if backend is not None else MemoryBackend()
         self.runs: Counter[str | None] = Counter()
         self.seen: list[tuple[str, str | None]] = []  # (path, key) of every request that reached the server
@@ -61,6 +64,7 @@ class Shop:
             self._handler,
             backend=self.backend,
             routes=[RoutePolicy("/*", methods=["POST", "PATCH"], single_tenant=True, lease=lease, retry_after=1)],
+            problem_base=problem_base,
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -220,6 +224,49 @@ async def test_in_progress_409_waits_for_retry_after_then_gets_the_replay() -> N
     assert repeat.extensions["idempotency_attempts"] == 2  # 409 in progress, then the replay
     assert elapsed >= 1.0  # it waited for Retry-After: 1 instead of hammering
     assert repeat.content == first.content
+
+
+# (b) behind the problem base of the API's own docs (which the docs encourage), a 409 in progress is still
+# retried: the client reads the slug after the base, whatever the base is.
+@pytest.mark.parametrize("base", ["https://api.example.com/problems/", "https://docs.example.com/errors.html#"])
+async def test_in_progress_409_is_retried_behind_a_custom_problem_base(base: str) -> None:
+    shop = Shop(problem_base=base)
+    async with InProcess(shop) as c:
+        headers = {"Idempotency-Key": "checkout-base"}
+
+        async def second() -> httpx.Response:
+            await asyncio.sleep(0.15)
+            return await c.client.post("/slow", json={"amount": 5}, headers=headers)
+
+        first, repeat = await asyncio.gather(c.client.post("/slow", json={"amount": 5}, headers=headers), second())
+    await assert_first_answer(shop, first, replayed=False)
+    await assert_first_answer(shop, repeat, replayed=True)
+    assert repeat.extensions["idempotency_attempts"] == 2  # 409 in progress (under `base`), then the replay
+    assert repeat.content == first.content
+
+
+@pytest.mark.parametrize(
+    ("problem_type", "retried"),
+    [
+        ("https://api.example.com/problems/request-in-progress", True),
+        ("https://docs.example.com/errors.html#request-in-progress", True),
+        ("/problems/request-in-progress", True),  # a relative reference (RFC 9457 allows one)
+        ("#request-in-progress", True),
+        ("urn:idem-asgi:problem:request-in-progress", True),  # 0.1.0's form
+        ("https://api.example.com/problems/outcome-unknown", False),
+        ("https://api.example.com/problems/request-in-progress-elsewhere", False),
+        ("https://api.example.com/problems/", False),
+    ],
+)
+async def test_the_in_progress_slug_is_read_after_any_problem_base(problem_type: str, retried: bool) -> None:
+    answers = [
+        httpx.Response(409, json={"type": problem_type, "status": 409}, headers={"retry-after": "0"}),
+        httpx.Response(201, json={"charge": "ch_1"}),
+    ]
+    transport = IdempotentRetryTransport(httpx.MockTransport(lambda request: answers.pop(0)), **FAST)
+    async with httpx.AsyncClient(transport=transport, base_url="http://shop.test") as client:
+        r = await client.post("/payments", json={"amount": 5})
+    assert (r.status_code, r.extensions["idempotency_attempts"]) == ((201, 2) if retried else (409, 1))
 
 
 # (b) the client's attempt times out while the handler still runs; the retry meets 409, then the replay

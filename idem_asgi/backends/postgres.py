@@ -36,14 +36,13 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise MissingExtra("PostgresBackend needs asyncpg: pip install 'idem-asgi[postgres]'") from exc
 
 # After the check above: these need asyncpg.
+from . import _postgres_keys
 from ._postgres_effects import effect_transaction, live_claim
+from ._postgres_keys import HASHED
 from ._postgres_lean import POOL_ONLY, LeanPool
 from ._postgres_pool import _UNAVAILABLE, Runner, keep_session, wrapped
 
 logger = logging.getLogger("idem_asgi")
-HASHED: Final = "\x1f"
-"""Marks a `key` column holding a digest: no raw key starts with it (header keys are visible ASCII,
-derived keys start with their method)."""
 
 
 def _row_key(namespace: str, scope: str, key: str, store_keys: bool) -> RecordKey:
@@ -71,7 +70,9 @@ class PostgresBackend(ClosingMixin):
         store_keys: Keep the raw scope and key in their columns, for the ops tools to display.
             By default (False) a row holds only the namespace and the key's SHA-256 digest
             (`scope` empty, `key` = `\x1f<digest>`): nothing a client sent as its key, nor the
-            tenant or user it is scoped by, sits in the table. `idem-asgi migrate` rewrites rows
+            tenant or user it is scoped by, sits in the table. With True, the backend records in
+            the table (one settings row, before its first write) that an app looks rows up by raw
+            keys, and `idem-asgi migrate` then keeps them raw; without, `migrate` rewrites rows
             of earlier versions.
     """
 
@@ -90,6 +91,7 @@ class PostgresBackend(ClosingMixin):
         self._relations = [self.table, *(schema + name for name in self._indexes.values())]
         self._timeout = timeout
         self.store_keys = store_keys
+        self._raw_recorded = False  # `store_keys=True` recorded in the table (once per backend)
         self._pool = pool
         self._dsn: str | None = None
         self._pool_options: dict[str, Any] = {}
@@ -189,7 +191,7 @@ class PostgresBackend(ClosingMixin):
     async def _create(self, conn: Any) -> None:
         exists = "SELECT " + " AND ".join(f"to_regclass(${i}) IS NOT NULL" for i in range(1, len(self._relations) + 1))
         # (and the newest column: tables made by earlier releases get it from the DDL's ALTER)
-        exists += " AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'ttl')"
+        exists += " AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'sealed')"
         if await conn.fetchval(exists, *self._relations, timeout=self.timeout):
             return  # nothing to do, and no lock taken on a table that is serving
         # CREATE ... IF NOT EXISTS is not safe against itself: two workers starting together can
@@ -245,44 +247,27 @@ class PostgresBackend(ClosingMixin):
         return key.namespace, "", HASHED + key.digest
 
     async def hash_stored_keys(self, batch_size: int = 1000) -> tuple[int, int]:
-        """Rewrite rows that hold a raw scope and key (earlier versions, or `store_keys=True`) to the
-        digest alone, in batches of short transactions; `idem-asgi migrate` runs it. Returns
-        (rewritten, left): a row whose digest row already exists (claimed again by a newer version
-        meanwhile) is left as it is, to expire with its TTL."""
-        pool = await self._get_pool()
-        t = self.table
-        rewritten = left = 0
-        last = ("", "", "")
-        try:
-            async with pool.acquire(timeout=self.timeout) as conn:
-                while True:
-                    rows = await conn.fetch(
-                        f"SELECT namespace, scope, key FROM {t} WHERE left(key, 1) <> $4 "
-                        "AND (namespace, scope, key) > ($1, $2, $3) ORDER BY namespace, scope, key LIMIT $5",
-                        *last,
-                        HASHED,
-                        batch_size,
-                        timeout=self.timeout,
-                    )
-                    if not rows:
-                        return rewritten, left
-                    for namespace, scope, key in rows:
-                        digest = RecordKey.build(namespace, scope, key).digest
-                        try:
-                            await conn.execute(
-                                f"UPDATE {t} SET scope = '', key = $4 WHERE namespace = $1 AND scope = $2 AND key = $3",
-                                namespace,
-                                scope,
-                                key,
-                                HASHED + digest,
-                                timeout=self.timeout,
-                            )
-                            rewritten += 1
-                        except asyncpg.UniqueViolationError:
-                            left += 1
-                    last = tuple(rows[-1])
-        except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
-            raise wrapped(exc, self.table) from exc
+        """Rewrite rows that hold a raw scope and key (written by 0.1.0, or by `store_keys=True`) to
+        the digest alone, in batches of short statements; `idem-asgi migrate` runs it. Rewrites
+        nothing while an app with `store_keys=True` is recorded in the table (`raw_keys_recorded`),
+        so it never hides a row from an app that looks it up raw. Returns (rewritten, left): a row
+        whose digest row already exists (claimed again by a newer version meanwhile) is left as it
+        is, to expire with its TTL."""
+        return await _postgres_keys.hash_stored_keys(self, batch_size)
+
+    async def record_raw_keys(self) -> None:
+        """Record in the table that an app looks rows up by raw keys (`store_keys=True` does it before
+        its first write; `idem-asgi migrate --store-keys` too), so `migrate` keeps them."""
+        await _postgres_keys.record_raw_keys(self)
+        self._raw_recorded = True
+
+    async def raw_keys_recorded(self) -> float | None:
+        """When an app with `store_keys=True` last recorded that it uses this table, or None."""
+        return await _postgres_keys.raw_keys_recorded(self)
+
+    async def forget_raw_keys(self) -> None:
+        """Drop that record (`idem-asgi migrate --no-store-keys`, once no such worker runs)."""
+        await _postgres_keys.forget_raw_keys(self)
 
     async def _claim(self, key: RecordKey, fingerprint: bytes, lease: float, ttl: float, token: int) -> ClaimResult:
         pool = await self._get_pool()
@@ -300,6 +285,8 @@ class PostgresBackend(ClosingMixin):
         raise BackendError("claim found neither a free key nor a record after 5 attempts")
 
     async def claim(self, key: RecordKey, fingerprint: bytes, *, lease: float, ttl: float) -> ClaimResult:
+        if self.store_keys and not self._raw_recorded:
+            await self.record_raw_keys()  # before the first raw row: `migrate` must never rewrite it
         token = new_token()
         try:
             return await self._claim(key, fingerprint, lease, ttl, token)
@@ -314,6 +301,8 @@ class PostgresBackend(ClosingMixin):
         self, key: RecordKey, stale_token: int, fingerprint: bytes, *, lease: float, ttl: float
     ) -> ClaimResult | None:
         # A takeover whose reply is lost is not swept: it may carry an answer the recover hook supplied.
+        if self.store_keys and not self._raw_recorded:
+            await self.record_raw_keys()
         pool = await self._get_pool()
         token = new_token()
         args = (*self._id(key), fingerprint, token, lease, ttl, stale_token)
@@ -342,6 +331,7 @@ class PostgresBackend(ClosingMixin):
             response.replayable,
             ttl,
             trailers,
+            response.sealed or None,
         )
         status, retried = await self._runner.run_again(pool, "execute", self.sql.complete, *args, *payload)
         if status == "UPDATE 1":
@@ -426,7 +416,7 @@ class PostgresBackend(ClosingMixin):
         pool = await self._get_pool()
         rows = await self._runner.run(pool, "fetch", self.sql.stale, float(older_than), limit, namespace)
         return [
-            StaleRecord(_row_key(row[14], row[15], row[16], self.store_keys), _record(row), row[1] == b"e")
+            StaleRecord(_row_key(row[15], row[16], row[17], self.store_keys), _record(row), row[1] == b"e")
             for row in rows
         ]
 
@@ -501,7 +491,7 @@ def _record(row: Any) -> Record:
     response = None
     if state == b"c" and row[6] is not None:
         trailers = None if row[12] is None else _headers_decode(row[12])
-        response = StoredResponse(row[6], _headers_decode(row[7]), row[8], row[9], trailers)
+        response = StoredResponse(row[6], _headers_decode(row[7]), row[8], row[9], trailers, bool(row[14]))
     return Record(
         COMPLETED if state == b"c" else IN_PROGRESS,
         row[2],

@@ -47,7 +47,7 @@ from ..records import (
 )
 from ._base import ClosingMixin, new_token
 from ._orphans import OrphanSweeper
-from ._redis_scripts import ABANDON, BLANK_NAMES, CLAIM, COMPLETE, EXTEND, FAIL, READ, RELEASE, TAKEOVER, WATCH
+from ._redis_scripts import ABANDON, CLAIM, COMPLETE, EXTEND, FAIL, READ, RELEASE, TAKEOVER, WATCH
 
 try:
     import redis.asyncio as aioredis
@@ -58,10 +58,12 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise MissingExtra("RedisBackend needs redis-py: pip install 'idem-asgi[redis]'") from exc
 
 # After the check above: these need redis-py.
+from . import _redis_keys
 from ._redis_durable import run_then_wait
 from ._redis_errors import MISCONFIGURED, UNAVAILABLE, wrapped
 from ._redis_notices import Notices
-from ._redis_stale import _glob_escape, scan_stale
+from ._redis_stale import scan_stale
+from ._redis_url import check_options
 
 try:
     from ._resp import RespPool
@@ -119,8 +121,9 @@ class RedisBackend(ClosingMixin):
         durable_timeout: Seconds to wait for the replicas; default half of `timeout`.
         store_keys: Keep the raw scope and key in the record (fields `o`, `k`), for the ops tools
             to display. By default (False) only the namespace is kept beside the digest the key is
-            named by: no client key, tenant or user sits in Redis. `idem-asgi migrate` blanks the
-            fields in records of earlier versions.
+            named by: no client key, tenant or user sits in Redis. With True, the backend records
+            under `{prefix}store_keys` (before its first claim) that an app keeps them, and
+            `idem-asgi migrate` then leaves them; without, it blanks them in records of earlier versions.
     """
 
     def __init__(
@@ -154,6 +157,7 @@ class RedisBackend(ClosingMixin):
             )
         self.durable_replicas = durable_replicas
         self.store_keys = store_keys
+        self._raw_recorded = False  # `store_keys=True` recorded under the prefix (once per backend)
         self._sentinel: Any = None  # from_url's Sentinel (redis+sentinel://), closed with the client
         self._durable_ms = _ms(durable_timeout)
         # from_url's lean connection pool (see _resp.py) serves the hot script calls; the
@@ -219,10 +223,14 @@ class RedisBackend(ClosingMixin):
             client_options: Passed to redis-py (`ssl_ca_certs`, `username`, `password`, ...),
                 and `durable_replicas` / `durable_timeout` to the backend (see the class).
 
-        For a `redis://` or `unix://` URL without cluster and with no client option beyond
-        `username`, `password` and `db`, the script calls go through a lean connection pool
-        (`_resp.RespPool`, hiredis; same size, timeout and one-retry rules) that costs a fraction
-        of redis-py's CPU per call; the redis-py client then serves only the ops tools.
+        The URL is parsed by redis-py alone (its rules for the db in the path or in `?db=`, for
+        credentials and query options). For a `redis://` or `unix://` URL without cluster, the
+        script calls go through a lean connection pool (`_resp.RespPool`, hiredis; same server,
+        db, credentials, size, timeouts and one-retry rule) that costs a fraction of redis-py's
+        CPU per call, and the redis-py client serves only the ops tools; a URL or option asking
+        for what the lean pool does not do (TLS, RESP3, `client_name`, `retry_on_timeout`,
+        `health_check_interval`, ...) leaves every call to redis-py. An option redis-py's
+        connections do not take (a typo) raises `ConfigurationError` here, not at the first request.
         """
         durable = {
             k: client_options.pop(k)
@@ -256,10 +264,12 @@ class RedisBackend(ClosingMixin):
         pool = aioredis.BlockingConnectionPool.from_url(
             url, max_connections=max_connections, timeout=timeout, **options
         )
+        check_options(pool)
         client = aioredis.Redis.from_pool(pool)
+        # The lean pool reads redis-py's own parse of the URL: both use one server, one db, one user.
         lean = None
         if RespPool is not None:
-            lean = RespPool.from_url(url, timeout=timeout, max_connections=max_connections, options=client_options)
+            lean = RespPool.from_client(client, timeout=timeout, max_connections=max_connections)
         return cls(client, prefix=prefix, timeout=timeout, _owned=True, _lean=lean, **durable)
 
     def _names(self, key: RecordKey) -> tuple[bytes, bytes, bytes]:
@@ -314,6 +324,8 @@ class RedisBackend(ClosingMixin):
             slots.release()
 
     async def claim(self, key: RecordKey, fingerprint: bytes, *, lease: float, ttl: float) -> ClaimResult:
+        if self.store_keys and not self._raw_recorded:
+            await self.record_raw_keys()  # before the first record with names: `migrate` keeps them
         token = new_token()
         name = self._key(key)
         args = (fingerprint, token, _ms(lease), _ms(ttl), *self._names(key))
@@ -371,6 +383,8 @@ class RedisBackend(ClosingMixin):
         # A takeover whose reply is lost is *not* swept: it may carry a recovered answer
         # (recover hook), and deleting it would let a retry run the operation again. It
         # expires into outcome-unknown, and recovery is asked again.
+        if self.store_keys and not self._raw_recorded:
+            await self.record_raw_keys()
         token = new_token()
         name = self._key(key)
         args = (stale_token, fingerprint, token, _ms(lease), _ms(ttl), *self._names(key))
@@ -493,35 +507,24 @@ class RedisBackend(ClosingMixin):
     async def hash_stored_keys(self, scan_count: int = 500) -> tuple[int, int]:
         """Blank the raw scope and key (fields `o`, `k`) in records of earlier versions or of
         `store_keys=True`, walking `prefix*` with `SCAN` (every primary of a cluster) and fixing
-        each batch in one pipelined round trip; `idem-asgi migrate` runs it. Returns (rewritten, 0)."""
-        rewritten = 0
-        async with self._tool_call():
-            client = self.client
-            nodes: list[Any] = list(client.get_primaries()) if self._cluster else [None]
-            for node in nodes:
-                options: dict[str, Any] = {} if node is None else {"target_nodes": node}
-                cursor: Any = 0
-                while True:
-                    cursor, names = await client.scan(
-                        cursor, match=_glob_escape(self.prefix) + "{*}", count=scan_count, **options
-                    )
-                    if isinstance(cursor, dict):
-                        cursor = cursor[node.name]
-                    if names:
-                        pipe = client.pipeline(transaction=False) if node is None else client.pipeline()
-                        for name in names:
-                            pipe.hmget(name, "o", "k")
-                        fields = await pipe.execute()
-                        raw = [n for n, (o, k) in zip(names, fields, strict=True) if o or k]
-                        if raw:
-                            pipe = client.pipeline(transaction=False) if node is None else client.pipeline()
-                            for name in raw:
-                                # Only where the record still exists: never recreate an expired key.
-                                pipe.eval(BLANK_NAMES, 1, name)
-                            rewritten += sum(int(r) for r in await pipe.execute())
-                    if int(cursor) == 0:
-                        break
-        return rewritten, 0
+        each batch in one pipelined round trip; `idem-asgi migrate` runs it. Blanks nothing while
+        an app with `store_keys=True` is recorded under this prefix (`raw_keys_recorded`).
+        Returns (rewritten, 0)."""
+        return await _redis_keys.hash_stored_keys(self, scan_count)
+
+    async def record_raw_keys(self) -> None:
+        """Record under `{prefix}store_keys` that an app keeps raw keys (`store_keys=True` does it
+        before its first claim; `idem-asgi migrate --store-keys` too), so `migrate` keeps them."""
+        await _redis_keys.record_raw_keys(self)
+        self._raw_recorded = True
+
+    async def raw_keys_recorded(self) -> float | None:
+        """When an app with `store_keys=True` last recorded that it uses this prefix, or None."""
+        return await _redis_keys.raw_keys_recorded(self)
+
+    async def forget_raw_keys(self) -> None:
+        """Drop that record (`idem-asgi migrate --no-store-keys`, once no such worker runs)."""
+        await _redis_keys.forget_raw_keys(self)
 
     async def purge(self, batch_size: int = 1000) -> int:
         """Nothing to do: every record key carries its TTL (`PEXPIRE`), so Redis deletes it itself.
