@@ -278,7 +278,7 @@ class Protected:
         assert rkey is not None
         watched = False
         while True:
-            local = leases.held(token)
+            local = leases.held(rkey.digest, token)
             future = waiters.watch(rkey.digest, token)
             try:
                 if not local and not watched:
@@ -290,7 +290,7 @@ class Protected:
                     return await future
             finally:
                 waiters.forget(rkey.digest, future)
-            if not (local and leases.held(token)):
+            if not (local and leases.held(rkey.digest, token)):
                 return None
 
     async def _watch(self, token: int) -> bool | None:
