@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Container
 from email.utils import formatdate
 from typing import TYPE_CHECKING, Final, Literal
 
@@ -22,6 +23,7 @@ from ._admission import Refused, parsed_key, request_scope, sentence
 from ._asgi import (
     HIDDEN_EXTENSIONS,
     TooLarge,
+    length_over,
     read_body,
     replaying,
     run_unclaimed,
@@ -152,7 +154,7 @@ class Protected:
             await self.mw.app(scope, self.receive, self.send)
             return False
         limit = route.max_body
-        if length is not None and length.isdigit() and int(length) > limit:
+        if length is not None and length_over(length, limit):
             raise self._too_large()
         hasher = route.fingerprint.begin(scope)
         message = await self.receive()
@@ -364,7 +366,7 @@ class Protected:
         self.token = token
         self._active = True
         mw.leases.hold(self)
-        send = self.send if not route.advertise_expiry else _expiring(self.send, route.ttl)
+        send = self.send if not route.advertise_expiry else _expiring(self.send, route.ttl, route.release_statuses)
         capture = Capture(
             send, self.receive, self.body, self._on_final, excluded=route.excluded, limit=route.max_stored_body
         )
@@ -558,11 +560,15 @@ def _expires(at: float) -> tuple[bytes, bytes]:
     return EXPIRES_HEADER, formatdate(at, usegmt=True).encode("ascii")
 
 
-def _expiring(send: Send, ttl: float) -> Send:
-    """`send`, adding when the stored answer will expire to the answer's start (not to what is stored)."""
+def _expiring(send: Send, ttl: float, released: Container[int]) -> Send:
+    """`send`, adding when the stored answer will expire to the answer's start (not to what is stored).
+
+    Only to an answer that is stored: one with a releasing status (5xx, 429, ...) leaves nothing to
+    replay, and its client must not be told the server keeps its key.
+    """
 
     async def sending(message: Message) -> None:
-        if message["type"] == "http.response.start":
+        if message["type"] == "http.response.start" and message["status"] not in released:
             message = {**message, "headers": [*message.get("headers", ()), _expires(time.time() + ttl)]}
         await send(message)
 
