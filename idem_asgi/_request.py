@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Container
+from collections.abc import Callable, Container
 from email.utils import formatdate
 from typing import TYPE_CHECKING, Final, Literal
 
@@ -438,11 +438,7 @@ class Protected:
             # The effect happened and the client gets its answer. Never release: retry the write
             # in the background; if it never lands, the lease expires into outcome-unknown.
             store_failed(f"could not store the answer for key {rkey.key!r}; retrying in the background", exc)
-            status = response.status
-            if not self.mw.late.retry(
-                rkey, self.token, sealed, route.ttl, lambda n: self.mw.emit(n, route, rkey, status)
-            ):
-                logger.error("idem_asgi: too many answers waiting for the store; key %r is not retried", rkey.key)
+            self._retried(self.mw.late.complete(rkey, self.token, sealed, route.ttl, self._emitter(response.status)))
             return
         if stored:
             self._ended(response)
@@ -474,7 +470,8 @@ class Protected:
             released = await self.mw.backend.release(rkey, self.token)
         except Exception as exc:
             self.mw.emit("store_error", route, rkey, status)
-            store_failed(f"could not release key {rkey.key!r}; it stays in progress until its lease ends", exc)
+            store_failed(f"could not release key {rkey.key!r}; retrying in the background", exc)
+            self._retried(self.mw.late.release(rkey, self.token, self._emitter(status)))
             return
         if released:
             self.mw.emit("released", route, rkey, status)
@@ -490,7 +487,8 @@ class Protected:
             kept = await self.mw.backend.mark_failed(rkey, self.token)
         except Exception as exc:
             self.mw.emit("store_error", route, rkey, status)
-            store_failed(f"could not end the lease of key {rkey.key!r}; it ends outcome-unknown with its lease", exc)
+            store_failed(f"could not end the lease of key {rkey.key!r}; retrying in the background", exc)
+            self._retried(self.mw.late.mark_failed(rkey, self.token, self._emitter(status)))
             return
         if kept:
             logger.warning(
@@ -499,6 +497,16 @@ class Protected:
             self.mw.emit("unresolved", route, rkey, status)
         else:
             self.mw.emit("lease_lost", route, rkey, status)
+
+    def _emitter(self, status: int | None) -> Callable[[EventName], None]:
+        """`emit` for a write made later (idem_asgi._late_writes), with this request's route, key and status."""
+        mw, route, rkey = self.mw, self.route, self.rkey
+        return lambda name: mw.emit(name, route, rkey, status)
+
+    def _retried(self, started: bool) -> None:
+        if not started:
+            assert self.rkey is not None
+            logger.error("idem_asgi: too many writes waiting for the store; key %r is not retried", self.rkey.key)
 
     def _sealed(self, response: StoredResponse) -> StoredResponse:
         """The answer as the store keeps it (the middleware's `transform`)."""
