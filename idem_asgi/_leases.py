@@ -27,6 +27,9 @@ class Holder(Protocol):
     token: int
     due: float
 
+    def lost(self) -> None:
+        """Its claim was lost while its app ran (told once, as it stops being renewed)."""
+
 
 class Leases:
     """The claims held while their apps run; one timer renews the long-running ones.
@@ -102,6 +105,7 @@ class Leases:
             self._emit("lease_extended", route, key)
         else:
             self.release(holder)
+            holder.lost()
             logger.warning("idem_asgi: lease of key %r was lost while the app ran", key.key)
             self._emit("lease_lost", route, key)
 

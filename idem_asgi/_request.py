@@ -261,7 +261,7 @@ class Protected:
         delay = 0.01
         with anyio.move_on_after(route.wait):
             while isinstance(result, Existing) and decide(result, self.fingerprint) is Action.IN_PROGRESS:
-                outcome = await self._held(result.record.token, delay)
+                outcome = await self._held(result, delay)
                 if isinstance(outcome, StoredResponse):
                     return outcome
                 delay = min(delay * 2, 0.25)
@@ -272,28 +272,25 @@ class Protected:
                     break
         return result
 
-    async def _held(self, token: int, delay: float) -> object:
-        """Wait for the claim `token` to end: while its holder runs in this process, until it says so;
-        while it runs in another and the store tells ends (`watch`), until told; else for `delay`.
-        Both waits are checked each second; returns the holder's stored answer, or not."""
-        rkey, waiters, leases = self.rkey, self.mw.waiters, self.mw.leases
+    async def _held(self, result: Existing, delay: float) -> object:
+        """Wait for the claim `result` shows to end, woken once: by its holder when it runs in this
+        process (with its stored answer, or when it ends or loses the claim without one); by the
+        store's notice when it runs in another, or when the lease seen ends (a holder that died
+        tells nobody); else after `delay`, to poll. Returns the holder's stored answer, or not."""
+        rkey, waiters, record = self.rkey, self.mw.waiters, result.record
         assert rkey is not None
-        watched = False
-        while True:
-            local = leases.held(rkey.digest, token)
-            future = waiters.watch(rkey.digest, token)
-            try:
-                if not local and not watched:
-                    told = await self._watch(token)
-                    if told is False:
-                        return None  # it changed already: read it again
-                    watched = told is True
-                with anyio.move_on_after(1.0 if local or watched else delay):
-                    return await future
-            finally:
-                waiters.forget(rkey.digest, future)
-            if not (local and leases.held(rkey.digest, token)):
-                return None
+        future = waiters.watch(rkey.digest, record.token)
+        try:
+            if self.mw.leases.held(rkey.digest, record.token):
+                return await future
+            told = await self._watch(record.token)
+            if told is False:
+                return None  # it changed already: read it again
+            with anyio.move_on_after(max(record.lease_until - result.now, delay) if told else delay):
+                return await future
+            return None
+        finally:
+            waiters.forget(rkey.digest, future)
 
     async def _watch(self, token: int) -> bool | None:
         """Ask the store to tell this process when the claim ends (None: it cannot, so poll)."""
@@ -306,6 +303,10 @@ class Protected:
             self._store_failed("watch failed while waiting", exc)
             return None
         return told
+
+    def lost(self) -> None:
+        """The claim was lost while the app ran (its lease could not be renewed): held repeats ask again."""
+        self._ended(None)
 
     def _ended(self, answer: StoredResponse | None) -> None:
         """Tell repeats held in this process that the claim ended (with its stored answer, or without)."""
