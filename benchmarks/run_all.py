@@ -1,9 +1,9 @@
 """One command for every benchmark: `python -m benchmarks.run_all` (a few minutes, local Redis and Postgres).
 
 Runs round trips, overhead (quick), the scale curve, retry storms with the strawman (quick), held
-repeats (`wait=2`) against 409 at 2 workers, durable claims, bytes per request and record, the
-cost of a NATS consumer adapter per message, and the
-large Postgres table (100,000 rows unless `--rows`), writes every table to
+repeats (`wait=2`) against 409 at 2 workers, 10,000 repeats held in one process, durable claims,
+bytes per request and record, the cost of a NATS consumer adapter per message, and the large
+Postgres table (100,000 rows unless `--rows`), writes every table to
 `benchmarks/out/report.md` and draws the scale curve to `docs/benchmarks.png` (matplotlib, the
 `bench` extra). Each benchmark also runs alone; see benchmarks/README.md.
 """
@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                 "ours,ours-wait",
             ],
         ),
+        run("Held repeats in one process (10,000 on one key)", ["benchmarks.bench_held", "--hold", "3"]),
         run("Durable claims", ["benchmarks.bench_durable", "--n", "300", "--blocks", "2"]),
         run("Bytes per request and per record", ["benchmarks.bench_footprint"]),
         run("Message consumers (NATS JetStream)", ["benchmarks.bench_consumers"]),

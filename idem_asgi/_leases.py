@@ -27,15 +27,20 @@ class Holder(Protocol):
     token: int
     due: float
 
+    def lost(self) -> None:
+        """Its claim was lost while its app ran (told once, as it stops being renewed)."""
+
 
 class Leases:
     """The claims held while their apps run; one timer renews the long-running ones.
 
     Holding a claim is a dict insert and releasing it a dict pop: no timer (`call_later` +
-    `cancel`), no closure and no object per request. While anything is held, one timer ticks every
-    third of the shortest route lease and extends each claim last extended a third of its own lease
-    ago, so a live claim is extended at most two thirds of its lease after the previous extension.
-    An extension also keeps the record itself alive past its TTL while its app still runs.
+    `cancel`), no closure and no object per request. Claims are keyed by (record digest, token):
+    two claims held at once never share an entry, even were their tokens equal. While anything is
+    held, one timer ticks every third of the shortest route lease and extends each claim last
+    extended a third of its own lease ago, so a live claim is extended at most two thirds of its
+    lease after the previous extension. An extension also keeps the record itself alive past its
+    TTL while its app still runs.
     """
 
     __slots__ = ("_backend", "_emit", "_held", "_loop", "_tasks", "_tick", "_timer")
@@ -44,7 +49,7 @@ class Leases:
         self._backend = backend  # looked up at each renewal: the store may be wrapped later (testing)
         self._emit = emit
         self._tick = tick
-        self._held: dict[int, Holder] = {}  # by token (random 63-bit: unique among live claims)
+        self._held: dict[tuple[str, int], Holder] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -53,7 +58,7 @@ class Leases:
         """Start renewing this claim until `release(holder)`."""
         loop = asyncio.get_running_loop()
         holder.due = loop.time() + holder.route.lease / 3
-        self._held[holder.token] = holder
+        self._held[_id(holder)] = holder
         if self._timer is None or self._loop is not loop:
             # the first claim since a tick found nothing held, or a new event loop (tests)
             self._loop = loop
@@ -61,16 +66,17 @@ class Leases:
 
     def release(self, holder: Holder) -> None:
         """Stop renewing (idempotent): the answer is final, or the claim was lost."""
-        if self._held.get(holder.token) is holder:
-            del self._held[holder.token]
+        held = _id(holder)
+        if self._held.get(held) is holder:
+            del self._held[held]
 
     def holds(self, holder: Holder) -> bool:
         """Still being renewed."""
-        return self._held.get(holder.token) is holder
+        return self._held.get(_id(holder)) is holder
 
-    def held(self, token: int) -> bool:
-        """Whether the claim with this token is held in this process, its app still running."""
-        return token in self._held
+    def held(self, digest: str, token: int) -> bool:
+        """Whether the claim `token` on the record `digest` is held in this process, its app still running."""
+        return (digest, token) in self._held
 
     def _fire(self) -> None:
         loop = self._loop
@@ -99,5 +105,12 @@ class Leases:
             self._emit("lease_extended", route, key)
         else:
             self.release(holder)
+            holder.lost()
             logger.warning("idem_asgi: lease of key %r was lost while the app ran", key.key)
             self._emit("lease_lost", route, key)
+
+
+def _id(holder: Holder) -> tuple[str, int]:
+    key = holder.rkey
+    assert key is not None
+    return key.digest, holder.token

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Container
 from email.utils import formatdate
 from typing import TYPE_CHECKING, Final, Literal
 
@@ -22,6 +23,7 @@ from ._admission import Refused, parsed_key, request_scope, sentence
 from ._asgi import (
     HIDDEN_EXTENSIONS,
     TooLarge,
+    length_over,
     read_body,
     replaying,
     run_unclaimed,
@@ -153,7 +155,7 @@ class Protected:
             await self.mw.app(scope, self.receive, self.send)
             return False
         limit = route.max_body
-        if length is not None and length.isdigit() and int(length) > limit:
+        if length is not None and length_over(length, limit):
             raise self._too_large()
         hasher = route.fingerprint.begin(scope)
         message = await self.receive()
@@ -260,7 +262,7 @@ class Protected:
         delay = 0.01
         with anyio.move_on_after(route.wait):
             while isinstance(result, Existing) and decide(result, self.fingerprint) is Action.IN_PROGRESS:
-                outcome = await self._held(result.record.token, delay)
+                outcome = await self._held(result, delay)
                 if isinstance(outcome, StoredResponse):
                     return outcome
                 delay = min(delay * 2, 0.25)
@@ -271,28 +273,25 @@ class Protected:
                     break
         return result
 
-    async def _held(self, token: int, delay: float) -> object:
-        """Wait for the claim `token` to end: while its holder runs in this process, until it says so;
-        while it runs in another and the store tells ends (`watch`), until told; else for `delay`.
-        Both waits are checked each second; returns the holder's stored answer, or not."""
-        rkey, waiters, leases = self.rkey, self.mw.waiters, self.mw.leases
+    async def _held(self, result: Existing, delay: float) -> object:
+        """Wait for the claim `result` shows to end, woken once: by its holder when it runs in this
+        process (with its stored answer, or when it ends or loses the claim without one); by the
+        store's notice when it runs in another, or when the lease seen ends (a holder that died
+        tells nobody); else after `delay`, to poll. Returns the holder's stored answer, or not."""
+        rkey, waiters, record = self.rkey, self.mw.waiters, result.record
         assert rkey is not None
-        watched = False
-        while True:
-            local = leases.held(token)
-            future = waiters.watch(rkey.digest, token)
-            try:
-                if not local and not watched:
-                    told = await self._watch(token)
-                    if told is False:
-                        return None  # it changed already: read it again
-                    watched = told is True
-                with anyio.move_on_after(1.0 if local or watched else delay):
-                    return await future
-            finally:
-                waiters.forget(rkey.digest, future)
-            if not (local and leases.held(token)):
-                return None
+        future = waiters.watch(rkey.digest, record.token)
+        try:
+            if self.mw.leases.held(rkey.digest, record.token):
+                return await future
+            told = await self._watch(record.token)
+            if told is False:
+                return None  # it changed already: read it again
+            with anyio.move_on_after(max(record.lease_until - result.now, delay) if told else delay):
+                return await future
+            return None
+        finally:
+            waiters.forget(rkey.digest, future)
 
     async def _watch(self, token: int) -> bool | None:
         """Ask the store to tell this process when the claim ends (None: it cannot, so poll)."""
@@ -305,6 +304,10 @@ class Protected:
             self._store_failed("watch failed while waiting", exc)
             return None
         return told
+
+    def lost(self) -> None:
+        """The claim was lost while the app ran (its lease could not be renewed): held repeats ask again."""
+        self._ended(None)
 
     def _ended(self, answer: StoredResponse | None) -> None:
         """Tell repeats held in this process that the claim ended (with its stored answer, or without)."""
@@ -365,7 +368,7 @@ class Protected:
         self.token = token
         self._active = True
         mw.leases.hold(self)
-        send = self.send if not route.advertise_expiry else _expiring(self.send, route.ttl)
+        send = self.send if not route.advertise_expiry else _expiring(self.send, route.ttl, route.release_statuses)
         capture = Capture(
             send, self.receive, self.body, self._on_final, excluded=route.excluded, limit=route.max_stored_body
         )
@@ -437,11 +440,7 @@ class Protected:
             # The effect happened and the client gets its answer. Never release: retry the write
             # in the background; if it never lands, the lease expires into outcome-unknown.
             store_failed(f"could not store the answer for key {rkey.key!r}; retrying in the background", exc)
-            status = response.status
-            if not self.mw.late.retry(
-                rkey, self.token, sealed, route.ttl, lambda n: self.mw.emit(n, route, rkey, status)
-            ):
-                logger.error("idem_asgi: too many answers waiting for the store; key %r is not retried", rkey.key)
+            self._retried(self.mw.late.complete(rkey, self.token, sealed, route.ttl, self._emitter(response.status)))
             return
         if stored:
             self._ended(response)
@@ -473,7 +472,8 @@ class Protected:
             released = await self.mw.backend.release(rkey, self.token)
         except Exception as exc:
             self.mw.emit("store_error", route, rkey, status)
-            store_failed(f"could not release key {rkey.key!r}; it stays in progress until its lease ends", exc)
+            store_failed(f"could not release key {rkey.key!r}; retrying in the background", exc)
+            self._retried(self.mw.late.release(rkey, self.token, self._emitter(status)))
             return
         if released:
             self.mw.emit("released", route, rkey, status)
@@ -489,7 +489,8 @@ class Protected:
             kept = await self.mw.backend.mark_failed(rkey, self.token)
         except Exception as exc:
             self.mw.emit("store_error", route, rkey, status)
-            store_failed(f"could not end the lease of key {rkey.key!r}; it ends outcome-unknown with its lease", exc)
+            store_failed(f"could not end the lease of key {rkey.key!r}; retrying in the background", exc)
+            self._retried(self.mw.late.mark_failed(rkey, self.token, self._emitter(status)))
             return
         if kept:
             logger.warning(
@@ -498,6 +499,16 @@ class Protected:
             self.mw.emit("unresolved", route, rkey, status)
         else:
             self.mw.emit("lease_lost", route, rkey, status)
+
+    def _emitter(self, status: int | None) -> Callable[[EventName], None]:
+        """`emit` for a write made later (idem_asgi._late_writes), with this request's route, key and status."""
+        mw, route, rkey = self.mw, self.route, self.rkey
+        return lambda name: mw.emit(name, route, rkey, status)
+
+    def _retried(self, started: bool) -> None:
+        if not started:
+            assert self.rkey is not None
+            logger.error("idem_asgi: too many writes waiting for the store; key %r is not retried", self.rkey.key)
 
     def _sealed(self, response: StoredResponse) -> StoredResponse:
         """The answer as the store keeps it (the middleware's `transform`, marked sealed)."""
@@ -557,11 +568,15 @@ def _expires(at: float) -> tuple[bytes, bytes]:
     return EXPIRES_HEADER, formatdate(at, usegmt=True).encode("ascii")
 
 
-def _expiring(send: Send, ttl: float) -> Send:
-    """`send`, adding when the stored answer will expire to the answer's start (not to what is stored)."""
+def _expiring(send: Send, ttl: float, released: Container[int]) -> Send:
+    """`send`, adding when the stored answer will expire to the answer's start (not to what is stored).
+
+    Only to an answer that is stored: one with a releasing status (5xx, 429, ...) leaves nothing to
+    replay, and its client must not be told the server keeps its key.
+    """
 
     async def sending(message: Message) -> None:
-        if message["type"] == "http.response.start":
+        if message["type"] == "http.response.start" and message["status"] not in released:
             message = {**message, "headers": [*message.get("headers", ()), _expires(time.time() + ttl)]}
         await send(message)
 

@@ -4,6 +4,8 @@ another (`watch`, on Redis), and otherwise by a bounded poll.
 
 The holder pays one dict lookup when nobody waits. Waiters are keyed by the record's digest and the
 holder's token, so a waiter never takes the answer of a later claim of the same key for its own.
+Adding and removing a waiter are dict operations, whatever the number held on one key; each is
+woken once, by the end it waits for (or by its own deadline, which its request keeps).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from typing import Any
 from .records import StoredResponse
 
 ENDED: Any = object()
-"""What a waiter is told when the holder ended without an answer to replay (released, failed):
-it must ask the store again."""
+"""What a waiter is told when the holder ended without an answer to replay (released, failed,
+lost its claim), or when the store's notices were interrupted: it must ask the store again."""
 
 
 class Waiters:
@@ -24,7 +26,7 @@ class Waiters:
     __slots__ = ("_by_digest",)
 
     def __init__(self) -> None:
-        self._by_digest: dict[str, list[tuple[int, asyncio.Future[Any]]]] = {}
+        self._by_digest: dict[str, dict[asyncio.Future[Any], int]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._by_digest)
@@ -32,13 +34,13 @@ class Waiters:
     def watch(self, digest: str, token: int) -> asyncio.Future[Any]:
         """A future resolved with the holder's stored answer, or `ENDED`."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._by_digest.setdefault(digest, []).append((token, future))
+        self._by_digest.setdefault(digest, {})[future] = token
         return future
 
     def forget(self, digest: str, future: asyncio.Future[Any]) -> None:
         waiting = self._by_digest.get(digest)
         if waiting is not None:
-            waiting[:] = [(t, f) for t, f in waiting if f is not future]
+            waiting.pop(future, None)
             if not waiting:
                 del self._by_digest[digest]
 
@@ -47,27 +49,38 @@ class Waiters:
         waiting = self._by_digest.get(digest)
         if not waiting:
             return
-        outcome = ENDED if answer is None else answer
-        rest = []
-        for t, future in waiting:
-            if t == token:
-                _wake(future, outcome)
-            else:
-                rest.append((t, future))
-        if rest:
-            self._by_digest[digest] = rest
-        else:
+        woken = [future for future, t in waiting.items() if t == token]
+        for future in woken:
+            del waiting[future]
+        if not waiting:
             del self._by_digest[digest]
+        _wake(woken, ENDED if answer is None else answer)
 
-    def changed(self, digest: str) -> None:
-        """The store says the record of `digest` changed (a claim ended in another process)."""
-        for _, future in self._by_digest.pop(digest, ()):
-            _wake(future, ENDED)
+    def changed(self, digest: str | None) -> None:
+        """The store says the record of `digest` changed (a claim ended in another process); None:
+        its notices were interrupted, so any record may have changed unseen."""
+        if digest is None:
+            everyone, self._by_digest = self._by_digest, {}
+            for waiting in everyone.values():
+                _wake(list(waiting), ENDED)
+            return
+        _wake(list(self._by_digest.pop(digest, ())), ENDED)
 
 
-def _wake(future: asyncio.Future[Any], outcome: Any) -> None:
-    if not future.done():
-        future.get_loop().call_soon_threadsafe(_resolve, future, outcome)
+def _wake(futures: list[asyncio.Future[Any]], outcome: Any) -> None:
+    """Resolve each future: at once on this loop, or through its own loop's thread-safe queue."""
+    try:
+        running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    for future in futures:
+        if future.done():
+            continue
+        loop = future.get_loop()
+        if loop is running:
+            future.set_result(outcome)
+        else:
+            loop.call_soon_threadsafe(_resolve, future, outcome)
 
 
 def _resolve(future: asyncio.Future[Any], outcome: Any) -> None:

@@ -14,7 +14,7 @@ from typing import Any, Final, Literal
 from . import _shared, problems
 from ._admission import header_key
 from ._asgi import run_unclaimed
-from ._late_completions import LateCompletions
+from ._late_writes import LateWrites
 from ._leases import Leases
 from ._logging import once
 from ._request import Protected
@@ -99,7 +99,7 @@ class IdempotencyMiddleware:
         self.table = RouteTable(routes, header=header, scope=scope, recover=recover)
         self.replay_header = (replay_header.lower().encode("latin-1"), b"true")
         self.leases = Leases(lambda: self.backend, self.emit, min((r.lease for r in self.routes), default=30.0) / 3)
-        self.late = LateCompletions(lambda: self.backend)
+        self.late = LateWrites(lambda: self.backend)  # ends of claims the store did not take, retried
         self.waiters = Waiters()  # repeats held on `wait=` routes, woken by their holder in this process
         self._check_scoping(strict)
         self._check_compression()

@@ -29,9 +29,11 @@ Redis key prefix), `IDEM_CRASH_TABLE` (Postgres table), `IDEM_CRASH_LEDGER` (led
 `IDEM_CRASH_FAIL_KEYS` (a key prefix: the handler answers 500 instead of 201 to keys that start with
 it, after its ledger write and sleep, so the middleware releases the claim), `IDEM_CRASH_TRACE` (a
 file: every store call after the claim's result is appended to it as one JSON line: op, key,
-token, result, wall time; see `Tracer`). Unset, each behaves as before they existed.
+token, result, wall time; see `Tracer`), `IDEM_CRASH_RESEED` (set: the app seeds the global
+`random` generator as careless apps do, `random.seed(7)` at import and `random.seed(42)` in the
+handler on every call). Unset, each behaves as before they existed.
 
-Importing this module has no side effect: the app is built at lifespan start-up.
+Importing this module has no other side effect: the app is built at lifespan start-up.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import time
 import uuid
@@ -64,6 +67,9 @@ POINTS = (
     "mid_send",
 )
 R = TypeVar("R", bound="ClaimResult | None")
+RESEED = bool(os.environ.get("IDEM_CRASH_RESEED"))
+if RESEED:
+    random.seed(7)  # at import, in every worker: what an app (or a library it imports) may do
 
 
 class Crasher:
@@ -214,6 +220,8 @@ class Handler:
             await self._answer(send, 200, json.dumps({"pid": os.getpid()}).encode())
             return
         key = next(v for k, v in scope["headers"] if k == b"idempotency-key").decode()
+        if RESEED:
+            random.seed(42)
         await self.ledger.incr(key)
         await self.crasher.reached("mid_handler")
         if self.delay:

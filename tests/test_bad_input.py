@@ -390,6 +390,23 @@ def test_bodies(store: Store) -> None:
     assert min(seen.values()) > 0.05 * EXAMPLES[store.name], seen
 
 
+def test_a_content_length_of_5000_digits_is_413_not_500(store: Store) -> None:
+    """More digits than Python's int() converts (4,300) raised ValueError: a 500. It states a number
+    over any limit: 413 before any store call. Zeros first still state the true length."""
+    namespace = store.namespace()
+    recorder = Recorder(store.backend)
+    app = Charge()
+    route = RoutePolicy("/payments", methods=["POST"], required=True, max_body=LIMIT, ttl=TTL)
+    mw = middleware(app, recorder, namespace, [route])
+    headers = [(b"idempotency-key", b"long-length"), (b"x-tenant", tenant())]
+    huge = http_scope(raw_headers=[*headers, (b"content-length", b"9" * 5000)], state={})
+    assert_problem(store.run(drive(mw, huge, messages=messages_of([b"{}"]))), problems.BODY_TOO_LARGE)
+    assert app.calls == 0 and recorder.calls == []
+    padded = http_scope(raw_headers=[*headers, (b"content-length", b"0" * 4999 + b"2")], state={})
+    assert status_of(store.run(drive(mw, padded, messages=messages_of([b"{}"])))) == 201
+    assert app.calls == 1
+
+
 # --- 3. methods and paths --------------------------------------------------------------------
 
 ROUTES = [

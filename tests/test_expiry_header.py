@@ -1,5 +1,6 @@
 """`RoutePolicy(advertise_expiry=True)`: the first answer and every replay say until when the answer
-is replayed (`Idempotency-Expires`, an HTTP-date), on every store; the stored answer never holds it."""
+is replayed (`Idempotency-Expires`, an HTTP-date), on every store; the stored answer never holds it,
+and an answer that is not stored (released: 5xx, 429, 401) never advertises one."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import time
 import uuid
 from email.utils import parsedate_to_datetime
 
+import pytest
+
+from idem_asgi._types import Receive, Scope, Send
 from idem_asgi.backends import Backend
 from tests.support.charges import Payments, post, protect, rk
 
@@ -36,3 +40,33 @@ async def test_routes_without_it_send_no_expiry(backend: Backend, namespace: str
     key = uuid.uuid4().hex
     assert "idempotency-expires" not in (await post(mw, key=key)).headers
     assert "idempotency-expires" not in (await post(mw, key=key)).headers
+
+
+class Answers:
+    """POST /payments answering `status` (a transient or failure status: nothing is stored)."""
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+        self.calls = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        while (await receive()).get("more_body", False):
+            pass
+        self.calls += 1
+        await send({"type": "http.response.start", "status": self.status, "headers": [(b"retry-after", b"1")]})
+        await send({"type": "http.response.body", "body": b"try again"})
+
+
+@pytest.mark.parametrize("status", [503, 500, 429, 401])
+async def test_an_answer_that_is_not_stored_advertises_no_expiry(backend: Backend, namespace: str, status: int) -> None:
+    """A released answer leaves nothing to replay: telling the client until when it is kept would
+    be telling it to keep a key the server forgot."""
+    app = Answers(status)
+    mw = protect(app, backend, namespace, ttl=600, advertise_expiry=True)
+    key = uuid.uuid4().hex
+    first = await post(mw, key=key)
+    assert first.status_code == status and "idempotency-expires" not in first.headers
+    assert await backend.get(rk(namespace, key)) is None  # released: nothing stored to expire
+    again = await post(mw, key=key)
+    assert again.status_code == status and "idempotency-expires" not in again.headers
+    assert app.calls == 2

@@ -377,6 +377,20 @@ async def test_a_declared_content_length_over_the_limit_is_refused_with_413_befo
     assert app.calls == 0
 
 
+async def test_a_content_length_of_5000_digits_is_refused_with_413_not_500() -> None:
+    """More digits than Python's int() takes (4,300): still a number over the limit, never a ValueError."""
+    app = Recorder()
+    length = "9" * 5000
+    scope = http_scope("POST", PATH, headers=[("Stripe-Signature", sign_stripe(BODY)), ("Content-Length", length)])
+    result = await drive(stripe_mw(app, max_body=1000), scope, [BODY])
+    assert_problem(result, problems.BODY_TOO_LARGE)
+    assert app.calls == 0
+    padded = "0" * 4999 + str(len(BODY))  # zeros first: the true length
+    scope = http_scope("POST", PATH, headers=[("Stripe-Signature", sign_stripe(BODY)), ("Content-Length", padded)])
+    assert (await drive(stripe_mw(app, max_body=1000), scope, [BODY])).status == 200
+    assert app.calls == 1
+
+
 async def test_a_chunked_body_crossing_the_limit_is_refused_with_413() -> None:
     app = Recorder()
     big = b"x" * 600

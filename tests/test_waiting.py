@@ -2,21 +2,28 @@
 
 In one process the holder hands its answer to the repeats it holds, so they make no store call
 while it runs; a holder in another process (here: another middleware on the same store) is
-noticed by polling with backoff. Counted through a store wrapper, on every real store.
+noticed by polling with backoff. Counted through a store wrapper, on every real store. A held
+repeat is woken once, by the end it waits for (counted: the futures it made), never by a timer of
+its own, so holding 10,000 costs what adding them did (benchmarks/bench_held.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections import Counter
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 
 from idem_asgi import IdempotencyMiddleware, RoutePolicy
+from idem_asgi._waiting import Waiters
 from idem_asgi.backends import Backend
+from idem_asgi.backends.redis import RedisBackend
 from tests.support.pay import Payments, post
+from tests.support.servers import RedisProcess, wait_until
 from tests.support.stores import Counting
 
 
@@ -105,14 +112,124 @@ async def test_a_repeat_held_on_a_holder_in_another_process_is_told_or_polls(bac
     first = asyncio.create_task(post(holder, key))
     await asyncio.wait_for(app.entered.wait(), 5)
     repeat = asyncio.create_task(post(other, key))
-    await asyncio.sleep(0.9)  # under the one-second check: only a notice (or a poll) wakes the repeat
+    await asyncio.sleep(0.9)  # only a notice (or a poll) wakes the repeat
     app.gate.set()
     original, replayed = await first, await repeat
     assert replayed.replayed and replayed.body == original.body
     if type(backend).__name__ == "RedisBackend":
         assert store.calls == Counter({"claim": 2, "watch": 1})
-        assert replayed.elapsed < 1.0 + 0.5, "told at once, not at the next check"
+        assert replayed.elapsed < 1.0 + 0.5, "told at once"
     else:
         # The first claim, then polls 10 ms apart doubling to 250 ms: over the ~0.9 s hold that is
         # at most 9 polls (a fixed 10 ms poll would make 90).
         assert 2 <= store.calls["claim"] <= 10, store.calls
+
+
+class CountingWaiters(Waiters):
+    """Waiters that count the futures made: one per time a held repeat goes (back) to waiting."""
+
+    __slots__ = ("made",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made = 0
+
+    def watch(self, digest: str, token: int) -> asyncio.Future[Any]:
+        self.made += 1
+        return super().watch(digest, token)
+
+
+async def test_repeats_held_on_a_holder_in_their_process_are_woken_once_by_its_answer(
+    backend: Backend, namespace: str
+) -> None:
+    """Held for 2.5 s, each repeat waits on one future: its holder's answer resolves it (it used to
+    wake every second to look again)."""
+    store = Counting(backend)
+    app = Gated()
+    mw = protect(app, store, namespace, wait=10)
+    waiters = mw.waiters = CountingWaiters()
+    key = uuid.uuid4().hex
+    first = asyncio.create_task(post(mw, key))
+    await asyncio.wait_for(app.entered.wait(), 5)
+    repeats = [asyncio.create_task(post(mw, key)) for _ in range(20)]
+    await asyncio.sleep(2.5)  # what is measured: nothing may wake them, however long they are held
+    assert waiters.made == 20 and store.calls == Counter({"claim": 21})
+    app.gate.set()
+    original = await first
+    answers = await asyncio.gather(*repeats)
+    assert {(a.status, a.body, a.replayed) for a in answers} == {(201, original.body, True)}
+    assert waiters.made == 20 and not waiters
+    assert app.runs[key] == 1
+
+
+async def test_a_repeat_held_on_a_holder_in_another_process_is_woken_only_by_the_notice(
+    backend: Backend, namespace: str
+) -> None:
+    if type(backend).__name__ != "RedisBackend":
+        pytest.skip("only Redis tells other processes (the others poll)")
+    app = Gated()
+    holder = protect(app, backend, namespace)
+    store = Counting(backend)
+    other = protect(Payments(), store, namespace, wait=10)
+    key = uuid.uuid4().hex
+    first = asyncio.create_task(post(holder, key))
+    await asyncio.wait_for(app.entered.wait(), 5)
+    repeat = asyncio.create_task(post(other, key))
+    await asyncio.sleep(2.5)
+    assert store.calls == Counter({"claim": 1, "watch": 1}), "no claim again before the notice"
+    app.gate.set()
+    original, replayed = await first, await repeat
+    assert replayed.replayed and replayed.body == original.body
+    assert store.calls == Counter({"claim": 2, "watch": 1})
+
+
+async def test_a_repeat_held_on_a_holder_that_died_elsewhere_learns_when_its_lease_ends(
+    backend: Backend, namespace: str
+) -> None:
+    """A holder that dies tells nobody: a repeat held on it is woken when the lease it saw ends,
+    and answers `outcome-unknown` then, not a 409 once its whole `wait` is over."""
+    app = Gated()
+    holder = IdempotencyMiddleware(
+        app, backend=backend, routes=[RoutePolicy("/pay", single_tenant=True, lease=1.0)], namespace=namespace
+    )
+    other = protect(Payments(), backend, namespace, wait=8)
+    key = uuid.uuid4().hex
+    first = asyncio.create_task(post(holder, key))
+    await asyncio.wait_for(app.entered.wait(), 5)
+    first.cancel()  # killed mid-run: the claim stays, nobody renews it
+    with contextlib.suppress(asyncio.CancelledError):
+        await first
+    repeat = await post(other, key)
+    assert repeat.problem == "outcome-unknown", repeat.body
+    assert repeat.elapsed < 3.0
+
+
+@pytest.mark.redis
+async def test_repeats_watching_read_their_record_again_when_the_notices_are_cut(throwaway: RedisProcess) -> None:
+    """A notice published while the subscription is down is never seen, so the cut itself wakes
+    every watching repeat: it reads its record again (and polls until notices are back)."""
+    namespace = f"t-{uuid.uuid4().hex}"
+    holder_store = RedisBackend.from_url(throwaway.url)
+    other_store = RedisBackend.from_url(throwaway.url)
+    admin = aioredis.Redis.from_url(throwaway.url)
+    try:
+        app = Gated()
+        holder = protect(app, holder_store, namespace)
+        store = Counting(other_store)
+        other = protect(Payments(), store, namespace, wait=10)
+        key = uuid.uuid4().hex
+        first = asyncio.create_task(post(holder, key))
+        await asyncio.wait_for(app.entered.wait(), 5)
+        repeat = asyncio.create_task(post(other, key))
+        await wait_until(lambda: store.calls["watch"] == 1, 5)
+        assert store.calls == Counter({"claim": 1, "watch": 1})
+        assert await admin.client_kill_filter(_type="pubsub") >= 1
+        await wait_until(lambda: store.calls["claim"] >= 2, 3)
+        assert store.calls["claim"] >= 2, "the cut woke the repeat: it read its record again"
+        app.gate.set()
+        original, replayed = await first, await repeat
+        assert replayed.replayed and replayed.body == original.body
+    finally:
+        await admin.aclose()
+        await holder_store.aclose()
+        await other_store.aclose()

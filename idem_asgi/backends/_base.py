@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
-import random
+import secrets
 from types import TracebackType
 from typing import Any, TypeVar
 
 Self = TypeVar("Self", bound="ClosingMixin")
 
 
-_getrandbits = random.getrandbits
+_randbits = secrets.randbits
 
 
 def new_token() -> int:
-    """A fresh fencing token: 62 random bits, never 0 (a store may use 0 for "none")."""
-    return _getrandbits(62) + 1
+    """A fresh fencing token: 62 bits of the OS's randomness, never 0 (a store may use 0 for "none").
+
+    Never the `random` module: an app or a library that seeds it (`random.seed(42)`,
+    `transformers.set_seed`) would make every later claim draw the same token, in every worker.
+    """
+    return _randbits(62) + 1
 
 
 class ClosingMixin:

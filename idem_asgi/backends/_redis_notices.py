@@ -1,9 +1,10 @@
 """One subscription per `RedisBackend` to its channel, for repeats held in this process on a claim
 held in another: the scripts that end a watched claim publish its key there.
 
-Opened on the first `watch`, re-opened after a dropped connection (held repeats then fall back on
-their one-second check). A role refused the channel (ACL `NOPERM`) turns notices off for good:
-repeats poll, as on a cluster.
+Opened on the first `watch`, re-opened after a dropped connection (by redis-py itself, or here). A
+notice published while it is down is never seen, so each drop tells every listener `None`
+("anything may have changed"): held repeats read their records again (and poll until it is back).
+A role refused the channel (ACL `NOPERM`) turns notices off for good: repeats poll, as on a cluster.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ class Notices:
     def __init__(self, client: Any, channel: bytes) -> None:
         self._client = client
         self._channel = channel
-        self._listeners: list[Callable[[str], None]] = []
+        self._listeners: list[Callable[[str | None], None]] = []
         self._task: asyncio.Task[None] | None = None
         self._ready: asyncio.Event | None = None
         self._refused = False
 
-    async def listen(self, on_change: Callable[[str], None], timeout: float) -> bool:
-        """Call `on_change(digest)` for every published end; True once subscribed (within `timeout`)."""
+    async def listen(self, on_change: Callable[[str | None], None], timeout: float) -> bool:
+        """Call `on_change(digest)` for every published end (`None` when notices were interrupted);
+        True once subscribed (within `timeout`)."""
         if self._refused:
             return False
         if on_change not in self._listeners:
@@ -50,6 +52,8 @@ class Notices:
             pubsub = self._client.pubsub()
             try:
                 await pubsub.subscribe(self._channel)
+                # redis-py reconnects a dropped subscription by itself, without a word to us.
+                pubsub.connection.register_connect_callback(self._reconnected)
                 ready.set()
                 delay = 0.1
                 while True:
@@ -64,14 +68,23 @@ class Notices:
             except (redis_errors.RedisError, OSError) as exc:
                 ready.clear()
                 logger.info("idem_asgi: redis notices interrupted (%r); resubscribing", exc)
+                self._tell_all(None)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
             finally:
+                if pubsub.connection is not None:  # it goes back to the pool: never tell from it again
+                    pubsub.connection.deregister_connect_callback(self._reconnected)
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()
 
+    async def _reconnected(self, connection: Any) -> None:
+        """The subscription was dropped and made again: what was published meanwhile is lost."""
+        self._tell_all(None)
+
     def _tell(self, name: bytes) -> None:
-        digest = name[-65:-1].decode("ascii", "replace")  # the key is `{prefix}{<digest>}`
+        self._tell_all(name[-65:-1].decode("ascii", "replace"))  # the key is `{prefix}{<digest>}`
+
+    def _tell_all(self, digest: str | None) -> None:
         for listener in self._listeners:
             try:
                 listener(digest)

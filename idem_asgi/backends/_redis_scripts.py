@@ -5,6 +5,11 @@ fingerprint, `t` fencing token, `l` lease deadline and `e` expiry (ms), `r` resp
 TTL (ms), `n`/`o`/`k` namespace, scope, key, `w` set when a repeat in another process waits on
 the claim (its end is then published on the backend's channel). Replies with a record are
 `{flag, now, s, f, t, l, e, r, x}`.
+
+A stored token equal to the caller's is the caller's own claim only while that record is in
+progress (`p`) with the caller's fingerprint: the same command run again after its reply was lost.
+Tokens are drawn from the OS's randomness, so nothing else carries it; a completed or failed record
+is never taken for ours.
 """
 
 from __future__ import annotations
@@ -22,15 +27,15 @@ CLAIM: Final = (
     _NOW
     + """
 local cur = redis.call('HMGET', KEYS[1], 's', 'f', 't', 'l', 'e', 'r', 'x')
-if cur[1] and cur[3] ~= ARGV[2] then
+if cur[1] then
+  -- Our own claim only as it was made: this command run again after its reply was lost.
+  if cur[1] == 'p' and cur[3] == ARGV[2] and cur[2] == ARGV[1] then return {1, now} end
   return {0, now, cur[1], cur[2], cur[3], cur[4], cur[5], cur[6], cur[7]}
 end
-if not cur[1] then
-  redis.call('HSET', KEYS[1], 's', 'p', 'f', ARGV[1], 't', ARGV[2], 'l', now + ARGV[3], 'e', now + ARGV[4],
-    'x', ARGV[4])
-  if ARGV[7] then redis.call('HSET', KEYS[1], 'n', ARGV[5], 'o', ARGV[6], 'k', ARGV[7]) end
-  redis.call('PEXPIRE', KEYS[1], ARGV[4])
-end
+redis.call('HSET', KEYS[1], 's', 'p', 'f', ARGV[1], 't', ARGV[2], 'l', now + ARGV[3], 'e', now + ARGV[4],
+  'x', ARGV[4])
+if ARGV[7] then redis.call('HSET', KEYS[1], 'n', ARGV[5], 'o', ARGV[6], 'k', ARGV[7]) end
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return {1, now}
 """
 )
@@ -40,7 +45,7 @@ TAKEOVER: Final = (
     _NOW
     + """
 local cur = redis.call('HMGET', KEYS[1], 's', 'f', 't', 'l', 'e', 'r', 'x')
-if cur[3] == ARGV[3] then return {1, now} end
+if cur[1] == 'p' and cur[3] == ARGV[3] and cur[2] == ARGV[2] then return {1, now} end  -- ours, run again
 if not cur[1] then return {2, now} end
 if not ((cur[1] == 'p' or cur[1] == 'u') and cur[3] == ARGV[1] and tonumber(cur[4]) <= now) then
   return {0, now, cur[1], cur[2], cur[3], cur[4], cur[5], cur[6], cur[7]}

@@ -272,14 +272,17 @@ class PostgresBackend(ClosingMixin):
     async def _claim(self, key: RecordKey, fingerprint: bytes, lease: float, ttl: float, token: int) -> ClaimResult:
         pool = await self._get_pool()
         args = (*self._id(key), fingerprint, token, lease, ttl)
+        rerun = False
         for _ in range(5):
-            row, _retried = await self._runner.run_again(pool, "fetchrow", self.sql.claim, *args)
+            row, retried = await self._runner.run_again(pool, "fetchrow", self.sql.claim, *args)
+            rerun = rerun or retried
             if row is None:
                 continue  # lost a race our snapshot cannot see (see _sql_claim): read again
-            record = None if row[0] else _record(row)
-            if record is None or (record.token == token and record.state == IN_PROGRESS):
-                # (The second case is our own claim: an earlier attempt committed it and its answer
-                # was lost with the connection. The token is ours alone, so the key is ours.)
+            if row[0]:
+                return Claimed(token)
+            record = _record(row)
+            if rerun and _as_claimed(record, token, fingerprint):
+                # Our own claim: the statement run again after the connection broke had committed.
                 return Claimed(token)
             return Existing(record, row[10])
         raise BackendError("claim found neither a free key nor a record after 5 attempts")
@@ -306,8 +309,10 @@ class PostgresBackend(ClosingMixin):
         pool = await self._get_pool()
         token = new_token()
         args = (*self._id(key), fingerprint, token, lease, ttl, stale_token)
+        rerun = False
         for _ in range(5):
-            row, _retried = await self._runner.run_again(pool, "fetchrow", self.sql.takeover, *args)
+            row, retried = await self._runner.run_again(pool, "fetchrow", self.sql.takeover, *args)
+            rerun = rerun or retried
             if row is None:
                 continue  # the row changed between our snapshot and the update: read again
             if row[0] == "taken":
@@ -315,7 +320,7 @@ class PostgresBackend(ClosingMixin):
             if row[0] == "gone":
                 return None
             record = _record(row)
-            if record.token == token and record.state == IN_PROGRESS:
+            if rerun and _as_claimed(record, token, fingerprint):
                 return Claimed(token)  # our own takeover, committed before its answer was lost
             return Existing(record, row[10])
         raise BackendError("takeover found neither the claim nor a record after 5 attempts")
@@ -484,6 +489,19 @@ class PostgresBackend(ClosingMixin):
         if self._owned and self._pool is not None:
             pool, self._pool = self._pool, None
             await pool.close()
+
+
+def _as_claimed(record: Record, token: int, fingerprint: bytes) -> bool:
+    """Whether `record` is exactly the claim a statement of ours (re-run after a broken connection)
+    made: our token, our fingerprint, in progress and untouched since. Only then is a stored token
+    equal to ours proof of ownership; a completed or failed record never is."""
+    return (
+        record.token == token
+        and record.fingerprint == fingerprint
+        and record.state == IN_PROGRESS
+        and not record.holder_failed
+        and not record.effect_committed
+    )
 
 
 def _record(row: Any) -> Record:

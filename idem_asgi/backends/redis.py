@@ -430,8 +430,9 @@ class RedisBackend(ClosingMixin):
     async def mark_failed(self, key: RecordKey, token: int) -> bool:
         return bool(await self._call(self._fail, self._key(key), token, *self._channel))
 
-    async def watch(self, key: RecordKey, token: int, on_change: Callable[[str], None]) -> bool | None:
-        """Ask to be told (`on_change(digest)`) when the claim `token` on `key` ends in any process.
+    async def watch(self, key: RecordKey, token: int, on_change: Callable[[str | None], None]) -> bool | None:
+        """Ask to be told (`on_change(digest)`) when the claim `token` on `key` ends in any process
+        (`on_change(None)`: notices were interrupted, any claim may have ended unseen).
 
         True: still held, and its end will be told; False: it changed already (read it again);
         None: no notices from this store (a cluster, or the channel is refused): poll instead.
