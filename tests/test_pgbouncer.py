@@ -166,3 +166,14 @@ async def test_statement_pooling_fails_at_start_up_naming_the_fix() -> None:
             assert problem is not None and "statement pooling" in problem
         finally:
             await backend.aclose()
+
+
+async def test_a_startup_parameter_the_pooler_refuses_fails_at_start_up_naming_the_fix(bouncer: str) -> None:
+    """Before: a per-request 503 ("postgres unavailable") for a refusal no retry can cure."""
+    settings = {"default_transaction_isolation": "read committed"}
+    backend = PostgresBackend.from_dsn(bouncer, table=TEST_TABLE, min_size=1, max_size=2, server_settings=settings)
+    try:
+        with pytest.raises(BackendMisconfigured, match="ignore_startup_parameters"):
+            await backend.check()
+    finally:
+        await backend.aclose()
