@@ -177,3 +177,20 @@ async def test_a_startup_parameter_the_pooler_refuses_fails_at_start_up_naming_t
             await backend.check()
     finally:
         await backend.aclose()
+
+
+async def test_asyncpg_s_own_pool_gets_the_same_treatment_through_a_pooler(bouncer: str) -> None:
+    """Given an option only asyncpg's pool has, `from_dsn` builds that pool: it too makes no named
+    prepared statements behind a pooler (before: "prepared statement ... does not exist" once the
+    statements were reused on other server connections)."""
+    backend = PostgresBackend.from_dsn(bouncer, table=TEST_TABLE, max_size=10, max_inactive_connection_lifetime=60)
+    try:
+        await backend.check()
+        namespace = f"pgb-{uuid.uuid4().hex}"
+        keys = [RecordKey.build(namespace, None, f"k{i}") for i in range(40)]
+        for _ in range(3):  # claims, then replays of the same statements on whichever connection
+            results = await asyncio.gather(*(backend.claim(k, b"fp", lease=30, ttl=60) for k in keys))
+            assert len(results) == len(keys)
+        assert type(backend._pool).__module__.startswith("asyncpg")
+    finally:
+        await backend.aclose()
