@@ -107,8 +107,8 @@ async def warn_on_replication(client: Any, durable_replicas: int, timeout: float
     if replicas and not durable_replicas:
         logger.warning(
             "idem_asgi: this Redis primary has %d connected replica(s) and claims are not durable: a failover "
-            "to a replica that missed a claim lets a retry run the request again (a primary paused 4 s behind "
-            "Sentinel under a storm: 11 duplicate executions of 800 requests); pass durable_replicas=1 so that a "
-            "claim counts only once a replica has it (redis+sentinel:// URLs do by default)",
+            "to a replica that missed a claim lets a retry run the request again (measured once: a primary paused "
+            "4 s behind Sentinel under a storm, 11 duplicate executions of 800 requests); pass durable_replicas=1 "
+            "so that a claim counts only once a replica has it (redis+sentinel:// URLs do by default)",
             replicas,
         )

@@ -139,8 +139,8 @@ class PostgresBackend(ClosingMixin):
         `statement_cache_size=0`, unless you set it), and the sessions' default isolation (not
         READ COMMITTED, which the claim relies on: then each statement runs in a READ COMMITTED
         transaction). No startup parameter is sent, so a stock PgBouncer in transaction mode
-        serves the plain URL. It is a lean pool of raw asyncpg connections (`_postgres_lean.py`: half the
-        client CPU per statement of asyncpg's pool, callers served first come first served); every
+        serves the plain URL. It is a lean pool of raw asyncpg connections (`_postgres_lean.py`:
+        half the client CPU per statement of asyncpg's pool, callers served in order); every
         other option goes to `asyncpg.connect` (`ssl`, `server_settings`, `statement_cache_size`,
         ...). Given an option only asyncpg's pool has (`init`, `setup`, `connect`, `reset`,
         `max_queries`, `max_inactive_connection_lifetime`), asyncpg's `create_pool` is used instead,
