@@ -6,7 +6,7 @@ prepared statements go missing ("prepared statement ... does not exist"). `from_
 startup parameter and, seeing a pooler (`_postgres_pooler.py`), makes no named statements.
 
 Here: the start-up check, concurrent requests through the middleware (one execution, identical
-replays), a two-instance uvicorn storm, `transaction()` and its recover hook, all through a
+replays), a uvicorn storm, `transaction()` and its recover hook, all through a
 throwaway PgBouncer (`tests/support/pgbouncer.py`);
 then statement pooling, which refuses transaction blocks: a start-up error naming the fix. The
 contract suite runs through it too (`tests/test_backend_contract.py[postgres-pgbouncer]`).
@@ -15,15 +15,14 @@ contract suite runs through it too (`tests/test_backend_contract.py[postgres-pgb
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import asyncpg
 import httpx
 import pytest
-import redis.asyncio as aioredis
 
 from idem_asgi import IdempotencyMiddleware, RoutePolicy
 from idem_asgi._types import Receive, Scope, Send
@@ -32,11 +31,11 @@ from idem_asgi.context import held_claim
 from idem_asgi.errors import BackendMisconfigured
 from idem_asgi.middleware import check_store
 from idem_asgi.records import Claimed, RecordKey
+from tests.support.failover import assert_failover_kept_the_contract, run_storm
 from tests.support.pgbouncer import pgbouncer
+from tests.support.scorecard import report
 from tests.support.servers import POSTGRES_DSN, REDIS_URL, require
 from tests.support.stores import TEST_TABLE
-from tests.test_concurrency import Counted, check_one_key, fire
-from tests.test_multiprocess_storm import cleanup, storm, two_instances
 
 pytestmark = pytest.mark.postgres
 
@@ -53,55 +52,57 @@ async def test_the_plain_url_serves_concurrent_requests_through_a_transaction_po
     backend = PostgresBackend.from_dsn(bouncer, table=TEST_TABLE, min_size=1, max_size=20)
     try:
         assert await check_store(backend) is None
-        app = Counted()
+        executions: Counter[str] = Counter()
+
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            key = dict(scope["headers"])[b"idempotency-key"].decode()
+            executions[key] += 1
+            await asyncio.sleep(0.02)  # duplicates arrive while it runs
+            await send({"type": "http.response.start", "status": 201, "headers": []})
+            await send({"type": "http.response.body", "body": f"{key} {uuid.uuid4().hex}".encode()})
+
         namespace = f"pgb-{uuid.uuid4().hex}"
         mw = IdempotencyMiddleware(
             app, backend=backend, namespace=namespace, routes=[RoutePolicy("/payments", single_tenant=True)]
         )
-        transport = httpx.ASGITransport(app=mw)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            one = await asyncio.gather(*(fire(client, "one", i * 0.001) for i in range(100)))
-            keys = [f"k{i}" for i in range(50)]
-            many = await asyncio.gather(*(fire(client, k, 0.0) for k in keys for _ in range(4)))
-            replays = await asyncio.gather(*(fire(client, k, 0.0) for k in keys))
-        check_one_key(one)
-        for i in range(len(keys)):
-            check_one_key([*many[4 * i : 4 * i + 4], replays[i]])
-        assert set(app.executions.values()) == {1} and len(app.executions) == 51
+        keys = ["one"] * 100 + [f"k{i}" for i in range(50) for _ in range(4)]
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=mw), base_url="http://t") as client:
+
+            async def post(key: str) -> httpx.Response:
+                return await client.post("/payments", content=b"{}", headers={"Idempotency-Key": key})
+
+            answers = await asyncio.gather(*(post(k) for k in keys))
+            replays = await asyncio.gather(*(post(k) for k in dict.fromkeys(keys)))
+        assert set(executions.values()) == {1} and len(executions) == 51
+        firsts = {
+            r.request.headers["idempotency-key"]: r.content
+            for r in answers
+            if "idempotent-replayed" not in r.headers and r.status_code == 201
+        }
+        assert len(firsts) == 51
+        for r in [*answers, *replays]:
+            assert r.status_code in (201, 409), r.text
+            if r.status_code == 201:
+                assert r.content == firsts[r.request.headers["idempotency-key"]]
+        assert all(r.headers.get("idempotent-replayed") == "true" for r in replays)
     finally:
         await backend.aclose()
 
 
-async def test_a_two_instance_uvicorn_storm_through_a_transaction_pooler_runs_each_key_once(
-    bouncer: str, tmp_path: Path
-) -> None:
+async def test_a_uvicorn_storm_through_a_transaction_pooler_runs_each_key_once(bouncer: str, tmp_path: Path) -> None:
+    """100 keys x 8 duplicates through uvicorn (100 in flight, clients retrying 409 and 503), then
+    every key again and fresh keys (`tests/support/failover.py`, with no fault): one execution
+    per key, identical replays, nothing lost."""
     require("redis", REDIS_URL)  # the execution counter
-    run = uuid.uuid4().hex[:12]
-    namespace, counter = f"storm-{run}", f"idem-storm-count:{run}:"
-    env = {**os.environ, "IDEM_STORM_BACKEND": bouncer, "IDEM_STORM_NAMESPACE": namespace,
-           "IDEM_STORM_COUNTER_URL": REDIS_URL, "IDEM_STORM_COUNTER": counter}  # fmt: skip
-    keys = [f"{run}-{i:03d}" for i in range(100)]
-    try:
-        async with two_instances(env, tmp_path) as instances:
-            answers = await storm([i.port for i in instances], keys, 8)
-            late = await storm([i.port for i in instances], keys, 1)
-        client = aioredis.Redis.from_url(REDIS_URL)
-        try:
-            counts = [int(c or 0) for c in await client.mget([counter + k for k in keys])]
-        finally:
-            await client.aclose()
-        statuses = sorted({status for group in answers.values() for status, _, _ in group})
-        print(
-            f"\n[pgbouncer storm] {len(keys)} keys x 8 over 2 instances: executions {sum(counts)}, statuses {statuses}"
-        )
-        assert counts == [1] * len(keys)
-        assert set(statuses) <= {201, 409}, statuses
-        for key, group in answers.items():
-            first = {body for status, _, body in group if status == 201}
-            assert len(first) == 1, key
-            assert [(s, body) for s, _, body in late[key]] == [(201, *first)], key
-    finally:
-        await cleanup(bouncer, namespace, counter)
+
+    async def no_fault() -> None:
+        return None
+
+    name = "pgbouncer_transaction_mode_storm"
+    result = await run_storm(name, bouncer, {}, tmp_path / "uvicorn.log", no_fault, seed=name)
+    report(result, tag="STORM")
+    assert set(result["statuses"]) <= {"201", "409"}, result["statuses"]
+    assert_failover_kept_the_contract(result, durable=True)
 
 
 async def test_transaction_and_its_recover_hook_work_through_a_transaction_pooler(bouncer: str) -> None:
