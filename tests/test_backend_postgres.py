@@ -633,19 +633,31 @@ async def test_transaction_without_a_claim_is_a_plain_transaction(
             pass
 
 
-async def test_setup_refuses_a_pool_that_is_not_read_committed() -> None:
-    """Under REPEATABLE READ concurrent claims of one key fail with serialization errors."""
+async def test_a_pool_that_is_not_read_committed_claims_once_without_serialization_errors() -> None:
+    """Under REPEATABLE READ a losing claimer gets 40001. The backend no longer pins the sessions
+    with a startup parameter (PgBouncer refuses it): it sees the default and runs each statement in a
+    READ COMMITTED transaction. Before: `setup()` refused such a pool, and `from_dsn` with the
+    same `server_settings` too."""
     require("postgres", POSTGRES_DSN)
     settings = {"default_transaction_isolation": "repeatable read"}
-    pool = await asyncpg.create_pool(POSTGRES_DSN, min_size=1, max_size=1, server_settings=settings)
+    pool = await asyncpg.create_pool(POSTGRES_DSN, min_size=1, max_size=10, server_settings=settings)
     try:
-        with pytest.raises(ConfigurationError, match="read committed"):
-            await PostgresBackend(pool, table=fresh_table()).setup()
+        for backend in (
+            PostgresBackend(pool, table=fresh_table()),
+            PostgresBackend.from_dsn(POSTGRES_DSN, table=fresh_table(), max_size=10, server_settings=settings),
+        ):
+            try:
+                await backend.setup()
+                for i in range(5):
+                    key = RecordKey.build("rr", None, f"key-{i}")
+                    results = await asyncio.gather(*(backend.claim(key, b"fp", lease=30, ttl=60) for _ in range(40)))
+                    assert sum(isinstance(r, Claimed) for r in results) == 1
+                    assert all(isinstance(r, Claimed | Existing) for r in results)
+            finally:
+                await drop(backend.table)
+                await backend.aclose()
     finally:
         await pool.close()
-    async with PostgresBackend.from_dsn(POSTGRES_DSN, table=fresh_table(), min_size=1, max_size=1) as b:
-        await b.setup()  # from_dsn pins its sessions to READ COMMITTED
-        await drop(b.table)
 
 
 # --- fair turns at the pool (asyncpg's own queue lets newcomers barge past waiters) ---------------

@@ -41,6 +41,7 @@ from ._postgres_effects import effect_transaction, live_claim
 from ._postgres_keys import HASHED
 from ._postgres_lean import POOL_ONLY, LeanPool
 from ._postgres_pool import _UNAVAILABLE, Runner, keep_session, wrapped
+from ._postgres_pooler import probe, probe_dsn, try_a_transaction
 
 logger = logging.getLogger("idem_asgi")
 
@@ -134,10 +135,14 @@ class PostgresBackend(ClosingMixin):
         With `create_table=False` the table is never created as a side effect (only `setup()`
         creates it): a missing table is then a `BackendMisconfigured` naming `idem-asgi migrate`.
 
-        The pool holds `min_size=2` to `max_size=20` connections (`pool_options`); its sessions
-        are pinned to READ COMMITTED, which the claim statement relies on, unless `server_settings`
-        says otherwise. It is a lean pool of raw asyncpg connections (`_postgres_lean.py`: half the
-        client CPU per statement of asyncpg's pool, callers served first come first served); every
+        The pool holds `min_size=2` to `max_size=20` connections (`pool_options`). Before it is
+        built, one connection is asked two things (`_postgres_pooler.py`): whether it goes through
+        a pooler such as PgBouncer (then the pool's connections make no named prepared statements,
+        `statement_cache_size=0`, unless you set it), and the sessions' default isolation (not
+        READ COMMITTED, which the claim relies on: then each statement runs in a READ COMMITTED
+        transaction). No startup parameter is sent, so a stock PgBouncer in transaction mode
+        serves the plain URL. It is a lean pool of raw asyncpg connections (`_postgres_lean.py`:
+        half the client CPU per statement of asyncpg's pool, callers served in order); every
         other option goes to `asyncpg.connect` (`ssl`, `server_settings`, `statement_cache_size`,
         ...). Given an option only asyncpg's pool has (`init`, `setup`, `connect`, `reset`,
         `max_queries`, `max_inactive_connection_lifetime`), asyncpg's `create_pool` is used instead,
@@ -147,8 +152,7 @@ class PostgresBackend(ClosingMixin):
         backend = cls(table=table, timeout=timeout, store_keys=store_keys)
         backend._dsn = dsn
         backend._create_table = create_table
-        server_settings = {"default_transaction_isolation": "read committed", **pool_options.pop("server_settings", {})}
-        backend._pool_options = {"min_size": 2, "max_size": 20, "server_settings": server_settings, **pool_options}
+        backend._pool_options = {"min_size": 2, "max_size": 20, **pool_options}
         backend._owned = True
         return backend
 
@@ -168,7 +172,7 @@ class PostgresBackend(ClosingMixin):
             with anyio.fail_after(self.timeout):
                 async with self._lock:
                     if self._pool is None:
-                        options = self._pool_options
+                        options = await self._probed_options()
                         pool: Any
                         if POOL_ONLY.isdisjoint(options) and "reset" not in options:
                             pool = await LeanPool(self._dsn, **options).start()
@@ -188,6 +192,15 @@ class PostgresBackend(ClosingMixin):
             raise BackendMisconfigured(f"postgres: invalid DSN: {exc}") from exc
         return self._pool
 
+    async def _probed_options(self) -> dict[str, Any]:
+        """The pool's options, after asking one connection what it goes through (see `from_dsn`)."""
+        assert self._dsn is not None
+        found = await probe_dsn(self._dsn, self._pool_options, self.timeout)
+        self._runner.isolate = found.isolation != "read committed"
+        if found.pooled:
+            return {"statement_cache_size": 0, **self._pool_options}
+        return self._pool_options
+
     async def _create(self, conn: Any) -> None:
         exists = "SELECT " + " AND ".join(f"to_regclass(${i}) IS NOT NULL" for i in range(1, len(self._relations) + 1))
         # (and the newest column: tables made by earlier releases get it from the DDL's ALTER)
@@ -206,11 +219,16 @@ class PostgresBackend(ClosingMixin):
     async def check(self) -> None:
         """Connect, create the table if missing, and prove the role may use it (rights to read and write).
 
-        Raises `BackendMisconfigured` naming the fix (`idem-asgi migrate`, the GRANT needed), or
-        `BackendUnavailable` when the server cannot be reached now.
+        Raises `BackendMisconfigured` naming the fix (`idem-asgi migrate`, the GRANT needed, a
+        pooler's setting), or `BackendUnavailable` when the server cannot be reached now.
         """
         await self.setup()
         pool = await self._get_pool()
+        try:
+            async with pool.acquire(timeout=self.timeout) as conn:
+                await try_a_transaction(conn, self.timeout)  # PgBouncer's statement mode refuses it
+        except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
+            raise wrapped(exc, self.table) from exc
         sql = (
             "SELECT has_table_privilege($1, 'SELECT') AND has_table_privilege($1, 'INSERT') "
             "AND has_table_privilege($1, 'UPDATE') AND has_table_privilege($1, 'DELETE')"
@@ -224,18 +242,14 @@ class PostgresBackend(ClosingMixin):
     async def setup(self) -> None:
         """Create the table and indexes if missing (idempotent, safe to run from many workers at once).
 
-        Also checks that the pool's sessions run at READ COMMITTED: under REPEATABLE READ or
-        SERIALIZABLE, concurrent claims of one key fail with serialization errors (503s).
+        Also asks which isolation level the pool's sessions default to: under REPEATABLE READ or
+        SERIALIZABLE, concurrent claims of one key would fail with serialization errors, so each
+        statement then runs in a READ COMMITTED transaction.
         """
         pool = await self._get_pool()
         try:
             async with pool.acquire(timeout=self.timeout) as conn:
-                isolation = await conn.fetchval("SHOW default_transaction_isolation", timeout=self.timeout)
-                if isolation != "read committed":
-                    raise ConfigurationError(
-                        f"the pool's sessions default to {isolation!r}; concurrent claims need 'read committed': "
-                        "create the pool with server_settings={'default_transaction_isolation': 'read committed'}"
-                    )
+                self._runner.isolate = (await probe(conn, self.timeout)).isolation != "read committed"
                 await self._create(conn)
         except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
             raise wrapped(exc, self.table) from exc

@@ -59,7 +59,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 # After the check above: these need redis-py.
 from . import _redis_keys
-from ._redis_durable import run_then_wait
+from ._redis_durable import run_then_wait, warn_on_replication
 from ._redis_errors import MISCONFIGURED, UNAVAILABLE, wrapped
 from ._redis_notices import Notices
 from ._redis_stale import scan_stale
@@ -115,9 +115,10 @@ class RedisBackend(ClosingMixin):
             replicas have it (`WAIT`, pipelined behind the script on the same connection). A
             claim the replicas do not confirm within `durable_timeout` is withdrawn and the
             request refused with 503 before the app runs; an unconfirmed completion is written
-            again in the background (the client has its answer). 0 (the default): Redis'
-            asynchronous replication, where a failover can lose acknowledged claims. On a
-            cluster, N replicas of the record's shard.
+            again in the background (the client has its answer). 0 (the default here, and
+            `from_url`'s for `redis://`; 1 for `redis+sentinel://`): Redis' asynchronous
+            replication, where a failover can lose acknowledged claims (`check()` logs it when
+            the primary has replicas). On a cluster, N replicas of the record's shard.
         durable_timeout: Seconds to wait for the replicas; default half of `timeout`.
         store_keys: Keep the raw scope and key in the record (fields `o`, `k`), for the ops tools
             to display. By default (False) only the namespace is kept beside the digest the key is
@@ -221,7 +222,10 @@ class RedisBackend(ClosingMixin):
                 pooled connections after a restart).
             cluster: Use `redis.asyncio.RedisCluster` (keys hash by their `{digest}` tag).
             client_options: Passed to redis-py (`ssl_ca_certs`, `username`, `password`, ...),
-                and `durable_replicas` / `durable_timeout` to the backend (see the class).
+                and `durable_replicas` / `durable_timeout` to the backend (see the class). With
+                `redis+sentinel://`, `durable_replicas` defaults to 1 (a claim counts once a replica
+                has it, so a failover cannot hand it to a retry); opt out with `durable_replicas=0`
+                or `?durable_replicas=0` on the URL.
 
         The URL is parsed by redis-py alone (its rules for the db in the path or in `?db=`, for
         credentials and query options). For a `redis://` or `unix://` URL without cluster, the
@@ -232,7 +236,7 @@ class RedisBackend(ClosingMixin):
         `health_check_interval`, ...) leaves every call to redis-py. An option redis-py's
         connections do not take (a typo) raises `ConfigurationError` here, not at the first request.
         """
-        durable = {
+        durable: dict[str, Any] = {
             k: client_options.pop(k)
             for k in ("durable_replicas", "durable_timeout", "store_keys")
             if k in client_options
@@ -250,8 +254,10 @@ class RedisBackend(ClosingMixin):
         }
         client: Any
         if url.lower().startswith("redis+sentinel://"):
-            from ._redis_sentinel import sentinel_client
+            from ._redis_sentinel import durable_options, sentinel_client
 
+            # Sentinel means replicas: claims are durable unless the URL or the caller says otherwise.
+            url, durable = durable_options(url, durable)
             client, sentinel = sentinel_client(url, max_connections=max_connections, **options)
             backend = cls(
                 client, prefix=prefix, max_concurrency=max_connections, timeout=timeout, _owned=True, **durable
@@ -445,12 +451,16 @@ class RedisBackend(ClosingMixin):
 
     async def check(self) -> None:
         """Claim and release a throwaway key: proves the credentials, the database and the script
-        rights. Then warn (once, in the log) when Redis may evict records before their TTL."""
+        rights (and, with `durable_replicas`, that replicas confirm it). Then warn (once, in the
+        log) when Redis may evict records before their TTL, and when a failover can cost claims
+        (the primary has replicas, claims are not durable)."""
         probe = RecordKey.build("idem-asgi-check", None, f"check-{new_token()}")
         result = await self.claim(probe, b"check", lease=5.0, ttl=5.0)
         if isinstance(result, Claimed):
             await self.release(probe, result.token)
         await self._warn_on_eviction()
+        if not self._cluster:
+            await warn_on_replication(self.client, self.durable_replicas, self.timeout)
 
     async def _warn_on_eviction(self) -> None:
         try:  # INFO, not CONFIG: managed services that refuse CONFIG still answer it
