@@ -1,0 +1,99 @@
+"""The ASGI servers people deploy on, each started as its documented command line with 2 workers.
+
+`AsgiServer(name, target, env, log)` runs granian (`--interface asgi`), hypercorn or gunicorn with
+uvicorn workers on a free port in its own process group; `COMMANDS` holds the command lines that
+docs/production.md prints. It is a `UvicornProcess` in all but the command: `wait_ready` waits
+until both workers answer `GET /health`, `stop` ends the group. `terminate` is what a deploy
+does on a stop (SIGTERM to the server's own process, never to the workers): the server must
+pass it on and every worker must run its lifespan shutdown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from tests.support.servers import ROOT, UvicornProcess, free_port, missing
+
+SERVERS = ("granian", "hypercorn", "gunicorn")
+NEEDS = {"granian": "granian", "hypercorn": "hypercorn", "gunicorn": "uvicorn_worker"}
+"""The module each server's command imports (gunicorn's uvicorn workers: the `uvicorn-worker`
+package; uvicorn's own `uvicorn.workers` is deprecated)."""
+WORKERS = 2
+
+
+def command(name: str, target: str, port: int) -> list[str]:
+    """The server's command line, as docs/production.md prints it (with `python -m` in front)."""
+    address = f"127.0.0.1:{port}"
+    workers = str(WORKERS)
+    if name == "granian":
+        options = ["--interface", "asgi", "--host", "127.0.0.1", "--port", str(port), "--workers", workers]
+        return ["granian", *options, "--log-level", "warning", target]
+    if name == "hypercorn":
+        return ["hypercorn", "--bind", address, "--workers", workers, "--log-level", "warning", target]
+    if name == "gunicorn":
+        options = ["-k", "uvicorn_worker.UvicornWorker", "-w", workers, "-b", address]
+        return ["gunicorn", *options, "--log-level", "warning", target]
+    raise ValueError(name)
+
+
+def need(name: str) -> None:
+    """Skip (laptop) or fail (CI) when the server is not installed (it is in the `dev` extra)."""
+    if importlib.util.find_spec(NEEDS[name]) is None:
+        missing(f"{name} is not installed: pip install -e '.[dev]'", "server")
+
+
+class AsgiServer(UvicornProcess):
+    """`python -m <server> ...` for `target`, with `env` as its whole environment, output to `log`."""
+
+    def __init__(self, name: str, target: str, env: Mapping[str, str], log: Path) -> None:
+        need(name)
+        self.name = name
+        self.port = free_port()
+        self.log = log
+        self.workers = WORKERS
+        program, *args = command(name, target, self.port)
+        path = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(ROOT)) if p)
+        with log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", program, *args],
+                cwd=ROOT,
+                env={**env, "PYTHONPATH": path},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def wait_gone(self, within: float) -> int | None:
+        """The server's exit code once it and every worker exited within `within` seconds, else None."""
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None and not any_in_group(self.proc.pid):
+                return self.proc.returncode
+            time.sleep(0.05)
+        return None
+
+    def terminate(self, within: float = 20.0) -> int | None:
+        """SIGTERM the server process alone, as a deploy's stop does: `wait_gone(within)`."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGTERM)
+        return self.wait_gone(within)
+
+
+def any_in_group(pgid: int) -> bool:
+    """Whether a live (not zombie) process other than the leader is in process group `pgid`."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == pgid:
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return False
