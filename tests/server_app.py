@@ -11,7 +11,8 @@ middleware's start-up check runs in each worker. Configured by environment varia
 
 POST /payments counts its execution, sleeps 20 ms (or `X-Delay-Ms`: time for the test's client to
 hang up mid-request) and answers 201 with a fresh uuid and the worker's pid; GET /health answers
-the pid (how the test knows every worker serves).
+the pid (how the test knows every worker serves). A worker's lifespan shutdown closes the store,
+then appends its pid to the Redis list `closed` (how the test knows each worker's shutdown ran).
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     counter["client"] = aioredis.Redis.from_pool(pool)
     yield
     await backend.aclose()  # after the last request: close the pool
-    await counter.pop("client").aclose()
+    client = counter.pop("client")
+    await client.rpush("closed", os.getpid())  # for the test: this worker's shutdown ran, the store is closed
+    await client.aclose()
 
 
 app = FastAPI(lifespan=lifespan)

@@ -22,11 +22,12 @@ from collections import Counter
 from pathlib import Path
 
 import asyncpg
+import httpx
 import pytest
 import redis.asyncio as aioredis
 
 from idem_asgi import problems
-from tests.support.asgi_servers import SERVERS, AsgiServer
+from tests.support.asgi_servers import HTTP2, SERVERS, AsgiServer
 from tests.support.servers import POSTGRES_DSN, get_health, redis_process, require
 
 pytestmark = pytest.mark.slow
@@ -99,9 +100,9 @@ async def storm(port: int, work: list[tuple[str, bytes]], tenant: str) -> dict[t
     return answers
 
 
-async def hang_up(port: int, key: str, tenant: str, counter: aioredis.Redis) -> list[Answer]:
+async def hang_up(port: int, key: str, tenant: str, counter: aioredis.Redis) -> None:
     """A client that sends a payment and leaves while the handler runs (held 500 ms), then retries
-    until the answer is no longer 409 in progress: the retries' answers."""
+    until the answer is no longer 409 in progress: the handler finished, the retry is its replay."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(request(key, tenant, BODY, b"x-delay-ms: 500"))
     await writer.drain()
@@ -120,7 +121,29 @@ async def hang_up(port: int, key: str, tenant: str, counter: aioredis.Redis) -> 
         retries.append(await asyncio.wait_for(read_answer(reader), 15))
         writer.close()
         await writer.wait_closed()
-    return retries
+    status, headers, _ = retries[-1]
+    assert (status, headers.get(b"idempotent-replayed")) == (201, b"true"), (key, retries)
+
+
+async def http2_wave(port: int, keys: list[str], tenant: str) -> None:
+    """DUPLICATES of each key multiplexed on one HTTP/2 connection (h2c, prior knowledge), then a
+    retry each: every 2xx of a key identical, the rest 409, the retry a replay."""
+    if not keys:
+        return
+    headers = {"x-tenant-id": tenant, "content-type": "application/json"}
+    async with httpx.AsyncClient(http1=False, http2=True, base_url=f"http://127.0.0.1:{port}", timeout=15) as client:
+
+        async def pay(key: str) -> httpx.Response:
+            return await client.post("/payments", content=BODY, headers={**headers, "idempotency-key": key})
+
+        storm = await asyncio.gather(*(pay(key) for key in keys for _ in range(DUPLICATES)))
+        retries = await asyncio.gather(*(pay(key) for key in keys))
+    for key, retry in zip(keys, retries, strict=True):
+        group = [a for a in storm if a.request.headers["idempotency-key"] == key]
+        assert {a.http_version for a in [*group, retry]} == {"HTTP/2"}, group
+        assert {a.status_code for a in group} <= {201, 409}, (key, group)
+        assert len({a.content for a in group if a.status_code == 201} | {retry.content}) == 1, (key, group, retry)
+        assert (retry.status_code, retry.headers.get("idempotent-replayed")) == (201, "true"), (key, retry)
 
 
 async def app_connections(store: str, counter: aioredis.Redis, app_name: str) -> int:
@@ -164,6 +187,15 @@ def check_storm(answers: dict[tuple[str, bytes], list[Answer]]) -> tuple[Counter
     return statuses, replays, pids
 
 
+def check_late(answers: dict[tuple[str, bytes], list[Answer]], late: dict[tuple[str, bytes], list[Answer]]) -> None:
+    """The late wave: each key's retry replays its first 2xx, the same key with another body gets 422."""
+    for key, body in answers:
+        first = next(data for status, _, data in answers[key, body] if status == 201)
+        [(status, headers, data)], [(refused, _, problem)] = late[key, BODY], late[key, OTHER]
+        assert (status, headers.get(b"idempotent-replayed"), data) == (201, b"true", first), key
+        assert (refused, json.loads(problem)["type"]) == (422, problems.FINGERPRINT_MISMATCH.type), key
+
+
 @pytest.mark.parametrize("store", ["redis", "postgres"])
 @pytest.mark.parametrize("server", SERVERS)
 async def test_a_retry_storm_under_each_server_executes_each_key_once_and_shutdown_closes_the_store(
@@ -173,6 +205,9 @@ async def test_a_retry_storm_under_each_server_executes_each_key_once_and_shutdo
         require("postgres", POSTGRES_DSN)
     run = uuid.uuid4().hex[:12]
     table, app_name = f"idem_servers_{run}", f"idem-servers-{run}"
+    keys = [f"{run}-{i:03d}" for i in range(KEYS)]
+    over_h2 = [f"{run}-h2-{i:02d}" for i in range(20)] if server in HTTP2 else []
+    gone = [f"{run}-gone-{i}" for i in range(4)]
     with redis_process(tmp_path / "redis") as redis:
         join = "&" if "?" in POSTGRES_DSN else "?"
         url = redis.url if store == "redis" else f"{POSTGRES_DSN}{join}application_name={app_name}"
@@ -182,22 +217,22 @@ async def test_a_retry_storm_under_each_server_executes_each_key_once_and_shutdo
         try:
             begun = time.monotonic()
             ready = await instance.wait_ready(timeout=30)
-            up = time.monotonic() - begun
-            keys = [f"{run}-{i:03d}" for i in range(KEYS)]
-            started = time.monotonic()
+            up, started = time.monotonic() - begun, time.monotonic()
             answers = await storm(instance.port, [(k, BODY) for k in keys for _ in range(DUPLICATES)], run)
             elapsed = time.monotonic() - started
             late = await storm(instance.port, [(k, body) for k in keys for body in (BODY, OTHER)], run)
-            gone = [f"{run}-gone-{i}" for i in range(4)]
-            after_hang_up = await asyncio.gather(*(hang_up(instance.port, k, run, counter) for k in gone))
+            await http2_wave(instance.port, over_h2, run)
+            await asyncio.gather(*(hang_up(instance.port, k, run, counter) for k in gone))
             assert await app_connections(store, counter, app_name) > 0, "the app's pools are open"
             stopping = time.monotonic()
             code = await asyncio.to_thread(instance.terminate)
             down = time.monotonic() - stopping
             assert code is not None, f"{server} did not stop within 20 s: {instance.tail()}"
             left = await connections_left(store, counter, app_name)
-            counts = [int(c or 0) for c in await counter.mget([f"executions:{k}" for k in keys])]
-            hung_up = [int(c or 0) for c in await counter.mget([f"executions:{k}" for k in gone])]
+            every = [*keys, *over_h2, *gone]
+            counts = await counter.mget([f"executions:{k}" for k in every])
+            executions = {key: int(count or 0) for key, count in zip(every, counts, strict=True)}
+            closed = {int(pid) for pid in await counter.lrange("closed", 0, -1)}
         finally:
             await asyncio.to_thread(instance.stop)
             await counter.aclose()
@@ -206,25 +241,18 @@ async def test_a_retry_storm_under_each_server_executes_each_key_once_and_shutdo
                 await conn.execute(f"DROP TABLE IF EXISTS {table}")
                 await conn.close()
 
-    executions = dict(zip(keys, counts, strict=True))
-    assert all(c == 1 for c in counts), {k: c for k, c in executions.items() if c != 1}
+    assert all(c == 1 for c in executions.values()), {k: c for k, c in executions.items() if c != 1}
     statuses, replays, pids = check_storm(answers)
     assert pids == ready, "both workers executed payments"
-    for key in keys:  # the late wave: a retry replays, another body is refused
-        first = next(body for status, _, body in answers[key, BODY] if status == 201)
-        [(status, headers, body)], [(refused, _, problem)] = late[key, BODY], late[key, OTHER]
-        assert (status, headers.get(b"idempotent-replayed"), body) == (201, b"true", first), key
-        assert (refused, json.loads(problem)["type"]) == (422, problems.FINGERPRINT_MISMATCH.type), key
-    # A client gone mid-request: the handler finished, its answer was stored, the retry replays it.
-    assert hung_up == [1] * len(gone), hung_up
-    for retries in after_hang_up:
-        status, headers, body = retries[-1]
-        assert (status, headers.get(b"idempotent-replayed")) == (201, b"true"), retries
+    check_late(answers, late)
+    # Each worker ran its lifespan shutdown (which closes the store first) before it exited, and
+    # nothing of the app is left on the store (a process exit alone would also pass this one).
+    assert closed == ready, (closed, ready)
     assert left == 0, f"{left} connections of the app left after {server} stopped"
-    total = sum(statuses.values())
     print(
-        f"\n{server} / {store}: {total} requests in {elapsed:.1f}s, executions {sum(counts)}, "
-        f"{dict(statuses)}, {replays} replays in the storm; up in {up:.1f}s, exit {code} {down:.1f}s after SIGTERM"
+        f"\n{server} / {store}: {sum(statuses.values())} requests in {elapsed:.1f}s, executions "
+        f"{sum(executions[k] for k in keys)}, {dict(statuses)}, {replays} replays in the storm; "
+        f"up in {up:.1f}s, exit {code} {down:.1f}s after SIGTERM"
     )
 
 

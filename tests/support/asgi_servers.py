@@ -27,6 +27,8 @@ NEEDS = {"granian": "granian", "hypercorn": "hypercorn", "gunicorn": "uvicorn_wo
 """The module each server's command imports (gunicorn's uvicorn workers: the `uvicorn-worker`
 package; uvicorn's own `uvicorn.workers` is deprecated)."""
 WORKERS = 2
+HTTP2 = ("granian", "hypercorn")
+"""The servers that serve HTTP/2 over plain TCP (h2c with prior knowledge) as started here."""
 
 
 def command(name: str, target: str, port: int) -> list[str]:
