@@ -1,9 +1,9 @@
 """The ASGI servers people deploy on, each started as its documented command line with 2 workers.
 
 `AsgiServer(name, target, env, log)` runs granian (`--interface asgi`), hypercorn or gunicorn with
-uvicorn workers on a free port in its own process group; `COMMANDS` holds the command lines that
-docs/production.md prints. It is a `UvicornProcess` in all but the command: `wait_ready` waits
-until both workers answer `GET /health`, `stop` ends the group. `terminate` is what a deploy
+uvicorn workers on a free port in its own process group, by the command lines docs/production.md
+prints (its `asgi-servers` block, read from the page). It is a `UvicornProcess` in all but the
+command: `wait_ready` waits until both workers answer `GET /health`, `stop` ends the group. `terminate` is what a deploy
 does on a stop (SIGTERM to the server's own process, never to the workers): the server must
 pass it on and every worker must run its lifespan shutdown.
 """
@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -26,24 +28,25 @@ SERVERS = ("granian", "hypercorn", "gunicorn")
 NEEDS = {"granian": "granian", "hypercorn": "hypercorn", "gunicorn": "uvicorn_worker"}
 """The module each server's command imports (gunicorn's uvicorn workers: the `uvicorn-worker`
 package; uvicorn's own `uvicorn.workers` is deprecated)."""
+DOC = ROOT / "docs" / "production.md"
 WORKERS = 2
 HTTP2 = ("granian", "hypercorn")
 """The servers that serve HTTP/2 over plain TCP (h2c with prior knowledge) as started here."""
 
 
+def documented() -> dict[str, str]:
+    """The command lines of docs/production.md's `asgi-servers` block, by server."""
+    found = re.search(r"<!-- test: asgi-servers -->\n```bash\n(.*?)```", DOC.read_text(), re.S)
+    assert found is not None, "docs/production.md lost its asgi-servers block"
+    return {line.split()[0]: line for line in found.group(1).splitlines() if line.strip()}
+
+
 def command(name: str, target: str, port: int) -> list[str]:
-    """The server's command line, as docs/production.md prints it (with `python -m` in front)."""
-    address = f"127.0.0.1:{port}"
-    workers = str(WORKERS)
-    if name == "granian":
-        options = ["--interface", "asgi", "--host", "127.0.0.1", "--port", str(port), "--workers", workers]
-        return ["granian", *options, "--log-level", "warning", target]
-    if name == "hypercorn":
-        return ["hypercorn", "--bind", address, "--workers", workers, "--log-level", "warning", target]
-    if name == "gunicorn":
-        options = ["-k", "uvicorn_worker.UvicornWorker", "-w", workers, "-b", address]
-        return ["gunicorn", *options, "--log-level", "warning", target]
-    raise ValueError(name)
+    """The server's documented command line for `target` on `port`, quieter (`--log-level warning`)."""
+    line = documented()[name]
+    assert line.count("8000") == 1 and line.endswith(" app:app"), line
+    *args, _ = shlex.split(line.replace("8000", str(port)))
+    return [*args, "--log-level", "warning", target]
 
 
 def need(name: str) -> None:
