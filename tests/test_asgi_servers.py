@@ -4,10 +4,14 @@ granian (`--interface asgi`), hypercorn and gunicorn with uvicorn workers (uvico
 tests/test_multiprocess_storm.py), on Redis and on Postgres: a retry storm of 200 keys x 8
 concurrent duplicates executes each key once (counted in Redis, across workers), every 2xx of a
 key is byte-identical, a later retry replays it and the same key with another body gets 422 with
-the handler never run again. The middleware's start-up check runs in each server's workers (a
-Redis that wants a password the URL lacks: the server does not serve), and a stop (SIGTERM to the
-server process) runs every worker's lifespan shutdown: no connection of the app is left on the
-store. tests/server_app.py is the app; tests/support/asgi_servers.py starts the servers.
+the handler never run again; under granian and hypercorn the same over HTTP/2 (duplicates
+multiplexed on one h2c connection), and a client that hangs up mid-request gets the stored answer
+on its retry (each server hands the app `http.disconnect` and drops the late send, the handler
+finishes). A per-process MemoryBackend in the app fails this test. The middleware's start-up
+check runs in each server's workers (a Redis that wants a password the URL lacks: the server does
+not serve), and a stop (SIGTERM to the server process) runs every worker's lifespan shutdown: no
+connection of the app is left on the store. tests/server_app.py is the app;
+tests/support/asgi_servers.py starts the servers.
 """
 
 from __future__ import annotations
