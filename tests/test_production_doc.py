@@ -35,6 +35,7 @@ RUN_HERE = {
     "postgres-grant",
     "postgres-app",
     "postgres-cron",
+    "asgi-servers",  # run by tests/test_asgi_servers.py, under each server
 }
 
 
