@@ -249,20 +249,3 @@ async def test_a_consumer_whose_result_cannot_be_stored_dead_letters_it(backend:
     assert await apply_once(failing, "m-2", b"{}", handler, **common) is Settle.DEAD
     assert await apply_once(backend, "m-2", b"{}", handler, **common) is Settle.DEAD  # outcome unknown
     assert ran == [1], "never handed back for a second run"
-
-
-async def test_two_functions_keyed_by_the_same_arguments_never_share_results(backend: Backend) -> None:
-    @idempotent(backend, args=["order_id"])
-    async def charge(order_id: str) -> str:
-        return f"charged {order_id}"
-
-    @idempotent(backend, args=["order_id"])
-    async def refund(order_id: str) -> str:
-        return f"refunded {order_id}"
-
-    order = uuid.uuid4().hex
-    assert await charge(order) == f"charged {order}"
-    assert await refund(order) == f"refunded {order}", "its own run, not the charge's stored result"
-    spaces = [vars(f)["namespace"] for f in (charge, refund)]
-    assert spaces[0] != spaces[1]
-    assert spaces[0].endswith("test_two_functions_keyed_by_the_same_arguments_never_share_results.<locals>.charge")
