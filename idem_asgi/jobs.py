@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from typing import Any, Final, ParamSpec, TypeVar
 
@@ -31,6 +32,7 @@ from . import _job_args, context
 from ._decide import Action, decide
 from ._job_args import args_key
 from ._job_checks import checked_function, checked_returns, default_namespace
+from ._late_completions import LateCompletions
 from .backends import Backend
 from .errors import ConfigurationError, IdemError
 from .observe import Event, EventName, Observer
@@ -40,6 +42,9 @@ P = ParamSpec("P")
 R = TypeVar("R")
 _KIND: Final = [(b"content-type", b"application/x-msgpack"), (b"x-idem-job", b"1")]
 _encode = msgspec.msgpack.Encoder().encode
+logger = logging.getLogger("idem_asgi")
+_late: weakref.WeakKeyDictionary[Backend, LateCompletions] = weakref.WeakKeyDictionary()
+"""Per store, the job results whose completion write failed, written again in the background."""
 
 
 class JobError(IdemError):
@@ -100,11 +105,11 @@ async def claim(
 
     result = await _claimed(backend, rkey, fingerprint, lease=lease, ttl=ttl, wait=wait)
     if isinstance(result, Existing):
-        yield Job(backend, rkey, None, ttl, _repeat(result, fingerprint, key, emit))
+        yield Job(backend, rkey, None, ttl, _repeat(result, fingerprint, key, emit), emit)
         return
     emit("claimed")
     held = JobClaim(backend, rkey, result.token)
-    job = Job(backend, rkey, held, ttl, None)
+    job = Job(backend, rkey, held, ttl, None, emit)
     renewal = asyncio.get_running_loop().create_task(_renew(backend, rkey, result.token, lease))
     current = context.enter(context.IdempotencyInfo(key, scope or None, held))
     try:
@@ -157,7 +162,7 @@ async def _settle(backend: Backend, job: Job, emit: Callable[[EventName], None],
     held = job.claim
     assert held is not None
     if job.stored:
-        emit("completed")
+        emit("store_error" if job.late else "completed")
     elif failed and held.effect:
         await backend.mark_failed(job.key, held.token)
         emit("unresolved")
@@ -170,21 +175,31 @@ def _notify(observer: Observer, event: Event) -> None:
     try:
         observer(event)
     except Exception:  # observability never fails a job
-        logging.getLogger("idem_asgi").exception("idem_asgi: observer failed on %r", event.name)
+        logger.exception("idem_asgi: observer failed on %r", event.name)
 
 
 class Job:
     """One `claim` block: a repeat's stored `result`, or the running call's `store(value)`."""
 
-    __slots__ = ("_backend", "_ttl", "claim", "key", "result", "stored")
+    __slots__ = ("_backend", "_emit", "_ttl", "claim", "key", "late", "result", "stored")
 
-    def __init__(self, backend: Backend, key: RecordKey, held: JobClaim | None, ttl: float, result: bytes | None):
+    def __init__(
+        self,
+        backend: Backend,
+        key: RecordKey,
+        held: JobClaim | None,
+        ttl: float,
+        result: bytes | None,
+        emit: Callable[[EventName], None],
+    ) -> None:
         self._backend = backend
+        self._emit = emit
         self._ttl = ttl
         self.key = key
         self.claim = held
         self.result = result
         self.stored = False
+        self.late = False  # the completion write failed and is being retried in the background
 
     @property
     def done(self) -> bool:
@@ -196,8 +211,10 @@ class Job:
 
         The work is done by now, so the effect is marked first: a value msgspec cannot encode (or,
         with `returns=`, one that would not decode as that type) raises `ResultNotStorable`, and a
-        store that fails raises too; either way the claim is kept (outcome unknown), never released
-        for a second run. A claim taken over meanwhile raises `OutcomeUnknown`."""
+        claim is kept (outcome unknown), never released for a second run. A completion write that
+        fails (store down, reply lost) is retried in the background for a while, as the
+        middleware's are, and the result returned: repeats meanwhile see the call in progress.
+        A claim taken over meanwhile raises `OutcomeUnknown`."""
         held = self.claim
         if held is None:
             raise JobError(f"job key {self.key.key!r} is a repeat: its result is job.result, there is nothing to store")
@@ -205,11 +222,35 @@ class Job:
             raise JobError(f"job key {self.key.key!r}: its result was already stored")
         held.mark_effect()
         answer = _sealed(self.key.key, value, returns)
-        if not await self._backend.complete(self.key, held.token, answer, ttl=self._ttl):
+        try:
+            stored = await self._backend.complete(self.key, held.token, answer, ttl=self._ttl)
+        except Exception as exc:
+            self._retry_later(answer, held.token, exc)
+            stored = True
+        if not stored:
             raise OutcomeUnknown(f"job key {self.key.key!r}: its claim was taken over while it ran; result not stored")
         self.stored = True
         held.active = False
         return answer.body
+
+    def _retry_later(self, answer: StoredResponse, token: int, exc: Exception) -> None:
+        """Hand a failed completion write to the store's `LateCompletions`; raise `exc` when it is full."""
+        backend = self._backend
+        late = _late.get(backend)
+        if late is None:
+            late = _late[backend] = LateCompletions(functools.partial(_alive, weakref.ref(backend)))
+        if not late.retry(self.key, token, answer, self._ttl, self._emit):
+            raise exc  # too many pending: the claim is kept (the effect is marked), outcome unknown
+        logger.warning("idem_asgi: could not store the result of job key %r (%r); retrying it", self.key.key, exc)
+        self.late = True
+
+
+def _alive(ref: weakref.ref[Backend]) -> Backend:
+    """The store a late write goes to (held weakly: a pending write never keeps a store alive)."""
+    backend = ref()
+    if backend is None:
+        raise ConfigurationError("the store of this job was garbage-collected before its result was written")
+    return backend
 
 
 def _sealed(key: str, value: Any, returns: Any) -> StoredResponse:
