@@ -367,12 +367,14 @@ async def test_a_transaction_inside_a_job_commits_with_its_claim_and_is_never_ru
         async def charge(order_id: str) -> str:
             async with pg.transaction() as conn:
                 await conn.execute(f"INSERT INTO {ledger} VALUES ($1)", order_id)
+            await pg.checkpoint("charged")  # on the job's own row
             raise ConnectionResetError("the worker lost its connection after the COMMIT")
 
         with pytest.raises(ConnectionResetError):
             await charge("o1")
         record = await pg.get(RecordKey.build(namespace, None, "order_id=o1"))
         assert record is not None and record.effect_committed and record.state == IN_PROGRESS
+        assert record.checkpoint == "charged"
         with pytest.raises(OutcomeUnknown):
             await charge("o1")
         assert await raw.fetchval(f"SELECT count(*) FROM {ledger}") == 1
