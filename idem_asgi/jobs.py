@@ -116,7 +116,7 @@ async def claim(
         yield job
     except BaseException:
         with anyio.CancelScope(shield=True):
-            await _settle(backend, job, emit, failed=True)
+            await _settle(backend, job, emit)
         raise
     finally:
         renewal.cancel()
@@ -124,7 +124,7 @@ async def claim(
         with contextlib.suppress(ValueError):  # left in another context than entered: nothing to restore here
             context.leave(current)
     with anyio.CancelScope(shield=True):
-        await _settle(backend, job, emit, failed=False)
+        await _settle(backend, job, emit)
 
 
 async def _claimed(
@@ -157,16 +157,17 @@ def _repeat(result: Existing, fingerprint: bytes, key: str, emit: Callable[[Even
     raise OutcomeUnknown(f"job key {key!r}: its first run stopped without an outcome; reconcile it")
 
 
-async def _settle(backend: Backend, job: Job, emit: Callable[[EventName], None], *, failed: bool) -> None:
-    """End a run: stored (nothing to do), kept as outcome unknown after an effect, else released."""
+async def _settle(backend: Backend, job: Job, emit: Callable[[EventName], None]) -> None:
+    """End a run: stored (nothing to do), kept as outcome unknown after an effect (whether the
+    block raised or just ended without a result), else released."""
     held = job.claim
     assert held is not None
     if job.stored:
         emit("store_error" if job.late else "completed")
-    elif failed and held.effect:
+    elif held.effect:
         await backend.mark_failed(job.key, held.token)
         emit("unresolved")
-    else:  # it raised before any effect, or ended without a result: nothing happened
+    else:  # it raised before any effect, or ended without an effect or a result: nothing happened
         await backend.release(job.key, held.token)
         emit("released")
 

@@ -95,6 +95,16 @@ async def test_the_context_manager_form_keeps_an_unstorable_result_as_outcome_un
             pytest.fail("never run again")
 
 
+async def test_a_block_that_marked_its_effect_and_stored_nothing_keeps_the_claim(backend: Backend) -> None:
+    namespace, key = fresh(), uuid.uuid4().hex
+    async with claim(backend, key, namespace=namespace) as job:
+        assert job.claim is not None
+        job.claim.mark_effect()  # the provider was called; the block then ends without a result
+    with pytest.raises(OutcomeUnknown):
+        async with claim(backend, key, namespace=namespace):
+            pytest.fail("never run again")
+
+
 async def test_storing_twice_says_it_was_already_stored(backend: Backend) -> None:
     namespace, key = fresh(), uuid.uuid4().hex
     async with claim(backend, key, namespace=namespace) as job:
