@@ -14,7 +14,7 @@ from typing import Any
 import asyncpg
 import msgspec
 import pytest
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from idem_asgi import current_idempotency
@@ -283,17 +283,31 @@ def _parse(key: str) -> list[tuple[str, Any]]:
         at = end + 1
 
 
+tricky = st.text(alphabet=st.sampled_from(',="\\ []{}0123456789.-+eEtruefalsn'), max_size=8)  # JSON's own
+json_texts = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=3), lambda inner: st.lists(inner, max_size=2)
+).map(json.dumps)  # strings that are themselves JSON: "1", "true", "[1, \"a\"]"
 scalars = st.one_of(
-    st.text(), st.integers(), st.booleans(), st.none(), st.floats(allow_nan=False, allow_infinity=False)
+    tricky,
+    json_texts,
+    st.text(),
+    st.integers(),
+    st.booleans(),
+    st.none(),
+    st.floats(allow_nan=False, allow_infinity=False),
 )
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3), max_leaves=6)
+values = st.one_of(scalars, st.lists(scalars, max_size=3))
 
 
 def _typed(value: Any) -> Any:
     return [_typed(v) for v in value] if isinstance(value, list) else (type(value), value)
 
 
+@settings(max_examples=300)
 @given(st.lists(values, min_size=1, max_size=4))
+@example(["x,b=y", "z"])
+@example(['"a', '"'])  # bare, these two would read as one JSON string
+@example(["1", 1, "true", True, "null", None, "", " 2"])
 def test_an_args_key_reads_back_as_exactly_its_typed_values(arguments: list[Any]) -> None:
     names = [f"a{i}" for i in range(len(arguments))]
     parsed = _parse(args_key(dict(zip(names, arguments, strict=True)), names))
