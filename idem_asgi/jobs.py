@@ -32,7 +32,7 @@ from . import _job_args, context
 from ._decide import Action, decide
 from ._job_args import args_key
 from ._job_checks import checked_function, checked_returns, default_namespace
-from ._late_completions import LateCompletions
+from ._late_writes import LateWrites
 from .backends import Backend
 from .errors import ConfigurationError, IdemError
 from .observe import Event, EventName, Observer
@@ -43,7 +43,7 @@ R = TypeVar("R")
 _KIND: Final = [(b"content-type", b"application/x-msgpack"), (b"x-idem-job", b"1")]
 _encode = msgspec.msgpack.Encoder().encode
 logger = logging.getLogger("idem_asgi")
-_late: weakref.WeakKeyDictionary[Backend, LateCompletions] = weakref.WeakKeyDictionary()
+_late: weakref.WeakKeyDictionary[Backend, LateWrites] = weakref.WeakKeyDictionary()
 """Per store, the job results whose completion write failed, written again in the background."""
 
 
@@ -235,12 +235,12 @@ class Job:
         return answer.body
 
     def _retry_later(self, answer: StoredResponse, token: int, exc: Exception) -> None:
-        """Hand a failed completion write to the store's `LateCompletions`; raise `exc` when it is full."""
+        """Hand a failed completion write to the store's `LateWrites`; raise `exc` when it is full."""
         backend = self._backend
         late = _late.get(backend)
         if late is None:
-            late = _late[backend] = LateCompletions(functools.partial(_alive, weakref.ref(backend)))
-        if not late.retry(self.key, token, answer, self._ttl, self._emit):
+            late = _late[backend] = LateWrites(functools.partial(_alive, weakref.ref(backend)))
+        if not late.complete(self.key, token, answer, self._ttl, self._emit):
             raise exc  # too many pending: the claim is kept (the effect is marked), outcome unknown
         logger.warning("idem_asgi: could not store the result of job key %r (%r); retrying it", self.key.key, exc)
         self.late = True

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from idem_asgi import _late_completions, jobs
+from idem_asgi import _late_writes, jobs
 from idem_asgi.backends import Backend
 from idem_asgi.consumers import Settle, apply_once
 from idem_asgi.errors import BackendUnavailable, ConfigurationError
@@ -208,7 +208,7 @@ async def settled(store: Backend) -> None:
 async def test_a_result_that_cannot_be_stored_never_runs_the_work_again(
     backend: Backend, fenced: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_late_completions, "WINDOW", 0.3)
+    monkeypatch.setattr(_late_writes, "WINDOW", 0.3)
     namespace = f"jobs-{uuid.uuid4().hex}"
     runs: list[str] = []
     failing = FailingComplete(backend, fenced=fenced)
@@ -304,7 +304,7 @@ async def test_a_consumer_never_takes_a_nested_jobs_refusal_for_its_own(backend:
 async def test_a_consumer_whose_completion_write_fails_acks_it_and_never_runs_it_again(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_late_completions, "WINDOW", 0.3)
+    monkeypatch.setattr(_late_writes, "WINDOW", 0.3)
     namespace = f"consumer-{uuid.uuid4().hex}"
     ran: list[int] = []
 
