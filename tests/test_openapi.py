@@ -132,7 +132,7 @@ def test_problem_types_are_documented_as_what_the_base_makes_them(
     base: str | None, link: bool, form: str, first: str
 ) -> None:
     app = FastAPI()
-    extra = {} if base is None else {"problem_base": base}
+    extra: dict[str, Any] = {} if base is None else {"problem_base": base}
     app.add_middleware(
         IdempotencyMiddleware,
         backend=MemoryBackend(),

@@ -22,7 +22,7 @@ from ..errors import (
     BackendMisconfigured,
     ClaimLost,
     ConfigurationError,
-    MissingExtra,
+    missing_extra,
 )
 from ..records import COMPLETED, IN_PROGRESS, Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
 from ..records import StaleRecord as StaleRecord  # re-exported: it was defined here before records.py
@@ -33,7 +33,7 @@ from ._postgres_sql import DDL, Statements, index_name
 try:
     import asyncpg
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise MissingExtra("PostgresBackend needs asyncpg: pip install 'idem-asgi[postgres]'") from exc
+    raise missing_extra("PostgresBackend needs asyncpg", "postgres") from exc
 
 # After the check above: these need asyncpg.
 from ._postgres_effects import effect_transaction, live_claim
