@@ -91,7 +91,9 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("stale", help="list claims whose holder stopped (lease over, never completed)")
     _common(p, top=False)
-    p.add_argument("--older-than", type=float, default=60.0, metavar="SECONDS", help="lease ended this long ago (60)")
+    p.add_argument(
+        "--older-than", type=float, default=0.0, metavar="SECONDS", help="lease ended this long ago (0: every one)"
+    )
     p.add_argument("--limit", type=int, default=1000, help="at most this many (1000)")
     p.add_argument("--namespace", default=None, help="only this namespace (default: all)")
 

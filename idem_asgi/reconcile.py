@@ -16,6 +16,10 @@ store grants only while that token still holds and its lease is still over (stor
 claim completed, released, renewed or taken over by anyone between the listing and the write
 is left alone and counted as skipped. So it is safe to run from cron while serving, and twice
 at once.
+
+A dry run (`dry_run=True`, `idem-asgi reconcile --dry-run`) writes nothing to the store, and tells
+the resolver so: `is_dry_run()` is True while it runs, so a resolver that writes anything of its
+own (a ledger entry, a refund) can skip it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from typing import Literal, Protocol, TypeAlias
 
 import anyio
@@ -40,11 +45,20 @@ __all__ = [
     "ReconcileReport",
     "Resolution",
     "Resolver",
+    "is_dry_run",
     "reconcile",
     "resolver_from_recover",
 ]
 
 logger = logging.getLogger("idem_asgi.reconcile")
+_DRY_RUN: ContextVar[bool] = ContextVar("idem_asgi_reconcile_dry_run", default=False)
+
+
+def is_dry_run() -> bool:
+    """True while a resolver runs for a dry run (`reconcile(dry_run=True)`, `--dry-run`): the
+    store is not written, and a resolver with writes of its own should skip them too."""
+    return _DRY_RUN.get()
+
 
 Resolution: TypeAlias = StoredResponse | Literal["release"] | None
 """What a resolver answers: the stored answer, `"release"` (never happened), or None (unknown)."""
@@ -138,7 +152,8 @@ async def reconcile(
             skipped unless `ttl` is given: never a silent default.
         lease: The short lease held between taking a claim over and writing its outcome.
         namespace: Only this namespace's claims (another app's claims need another resolver).
-        dry_run: Ask `resolve` but write nothing; the counts say what would have been done.
+        dry_run: Ask `resolve` but write nothing; the counts say what would have been done, and
+            `is_dry_run()` tells `resolve` (so it skips writes of its own).
         concurrency: Claims resolved at once (each `resolve` may call a payment provider).
         transform: The middleware's `transform`, if it has one: resolved answers are stored through
             it, so its replays can open them.
@@ -163,9 +178,13 @@ async def reconcile(
         log = logger.warning if action == "error" else logger.info
         log("idem_asgi: reconcile %s key=%r scope=%r: %s %s", k.namespace, k.key, k.scope, action, detail)
 
-    async with anyio.create_task_group() as tg:
-        for s in stale:
-            tg.start_soon(one, s)
+    told = _DRY_RUN.set(dry_run)  # the resolvers' tasks inherit it: `is_dry_run()`
+    try:
+        async with anyio.create_task_group() as tg:
+            for s in stale:
+                tg.start_soon(one, s)
+    finally:
+        _DRY_RUN.reset(told)
     # Items are appended as they finish: put them back in listing order (oldest lease first).
     report.items.sort(key=lambda item: item.lease_until)
     return report

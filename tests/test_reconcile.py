@@ -15,7 +15,14 @@ from idem_asgi import problems
 from idem_asgi.backends import Backend
 from idem_asgi.backends.redis import RedisBackend
 from idem_asgi.context import held_claim
-from idem_asgi.reconcile import ReconcilableBackend, ReconcileReport, Resolution, reconcile, resolver_from_recover
+from idem_asgi.reconcile import (
+    ReconcilableBackend,
+    ReconcileReport,
+    Resolution,
+    is_dry_run,
+    reconcile,
+    resolver_from_recover,
+)
 from idem_asgi.records import COMPLETED, IN_PROGRESS, Claimed, Record, RecordKey, StaleRecord, StoredResponse
 from tests.support.asgi import drive, http_scope
 from tests.support.charges import BODY, KEY, LEASE, Payments, crash_first_request, post, protect, rk
@@ -184,6 +191,20 @@ async def test_dry_run_asks_but_writes_nothing(backend: Backend, namespace: str)
     assert report.dry_run and counts(report) == (1, 1, 0, 0, 0, 0)
     assert report.items[0].detail == "dry run: would store a 201 answer"
     assert await backend.get(rk(namespace)) == before
+
+
+async def test_a_dry_run_tells_the_resolver_it_is_one(backend: Backend, namespace: str) -> None:
+    await stuck_claim(backend, namespace)
+    told: list[bool] = []
+
+    async def resolve(stale: StaleRecord) -> Resolution:
+        told.append(is_dry_run())
+        return FOUND
+
+    await reconcile(store(backend), resolve, older_than=0, namespace=namespace, dry_run=True)
+    assert told == [True] and not is_dry_run()  # told inside the run only
+    await reconcile(store(backend), resolve, older_than=0, namespace=namespace)
+    assert told == [True, False]
 
 
 async def test_older_than_spares_recently_expired_leases(backend: Backend, namespace: str) -> None:
