@@ -439,8 +439,11 @@ async def _migrate(args: argparse.Namespace) -> int:
     async with _open(args) as backend:
         await backend.setup()
         rewritten, left = (0, 0) if args.store_keys else await backend.hash_stored_keys()
-    doc = {"table": args.table, "applied": True, "keys_hashed": rewritten, "keys_left": left}
+        owner = await backend.may_alter()
+    doc = {"table": args.table, "applied": True, "keys_hashed": rewritten, "keys_left": left, "may_alter": owner}
     lines = [f"schema ready: table {args.table}"]
+    if not owner:  # it was there already: this role could not have made it, nor can change it
+        lines[0] += " (made by another role; this one may not alter it: run migrate as its owner after upgrades)"
     if rewritten or left:
         lines.append(f"raw keys replaced by their digest in {rewritten} row(s); {left} left (a newer row exists)")
     _emit(args, doc, lambda: lines)

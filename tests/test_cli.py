@@ -341,6 +341,39 @@ async def test_unreachable_store_exits_3_quickly(scheme: str, capsys: pytest.Cap
     assert "Traceback" not in err
 
 
+@pytest.mark.redis
+async def test_an_unreachable_sentinel_is_one_short_line(capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"redis+sentinel://127.0.0.1:{free_port()},127.0.0.1:{free_port()}/mymaster"
+    code, out, err = await cli(capsys, "--backend", url, "--timeout", "2", "stale")
+    assert code == 3 and out == ""
+    assert err == (
+        "idem-asgi: error: store unreachable: redis unavailable: No master found for 'mymaster' "
+        "(no sentinel answered, or none knows its primary)\n"
+    )
+
+
+@pytest.mark.postgres
+async def test_migrate_as_a_role_that_may_not_alter_the_table_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    require("postgres", POSTGRES_DSN)
+    name = uuid.uuid4().hex[:12]
+    role, table = f"idem_app_{name}", f"idem_cli_owned_{name}"
+    admin = await asyncpg.connect(POSTGRES_DSN)
+    try:
+        await admin.execute(f"CREATE ROLE {role} LOGIN")
+        code, out, _ = await cli(capsys, "--backend", POSTGRES_DSN, "--table", table, "migrate")
+        assert (code, out) == (0, f"schema ready: table {table}\n")  # the owner: nothing more to say
+        await admin.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {table} TO {role}")
+        as_app = POSTGRES_DSN.replace("postgres@", f"{role}@", 1)
+        code, out, _ = await cli(capsys, "--backend", as_app, "--table", table, "migrate")
+        assert code == 0 and "may not alter it: run migrate as its owner" in out, out
+        code, doc = await cli_json(capsys, "--backend", as_app, "--table", table, "migrate")
+        assert code == 0 and doc["may_alter"] is False
+    finally:
+        await admin.execute(f"DROP TABLE IF EXISTS {table}")
+        await admin.execute(f"DROP ROLE IF EXISTS {role}")
+        await admin.close()
+
+
 @pytest.mark.postgres
 async def test_postgres_missing_table_is_a_configuration_error_not_created(capsys: pytest.CaptureFixture[str]) -> None:
     require("postgres", POSTGRES_DSN)

@@ -219,6 +219,12 @@ class PostgresBackend(ClosingMixin):
                 f"DELETE ON {self.table} TO <the app's role>"
             )
 
+    async def may_alter(self) -> bool:
+        """Whether this role owns the table (or is a member of its owner): only then can it run a
+        later version's `ALTER TABLE`; `idem-asgi migrate` says so when it cannot."""
+        sql = "SELECT pg_has_role(current_user, relowner, 'USAGE') FROM pg_class WHERE oid = to_regclass($1)"
+        return bool(await self._runner.run(await self._get_pool(), "fetchval", sql, self.table))
+
     async def setup(self) -> None:
         """Create the table and indexes if missing (idempotent, safe to run from many workers at once).
 
