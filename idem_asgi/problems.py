@@ -164,7 +164,7 @@ OUTCOME_UNKNOWN: Final = ProblemType(
     "failed after the answer had started or after an irreversible effect), so the server does not know "
     "whether the operation happened. It will not run it again on its own.",
     to_do="do not retry blindly. Check the state of the resource (for a payment: ask for the order or charge "
-    "by its reference); the server's operators resolve the record (`idem-asgi resolve`, `reconcile`), after "
+    "by its reference); the server resolves the record (its `recover` hook, or `idem-asgi reconcile`), after "
     "which a retry gets the real answer.",
 )
 NOT_STORED: Final = ProblemType(

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from contextvars import ContextVar
 from typing import Literal, Protocol, TypeAlias
 
@@ -46,6 +46,7 @@ __all__ = [
     "Resolution",
     "Resolver",
     "is_dry_run",
+    "key_among",
     "reconcile",
     "resolver_from_recover",
 ]
@@ -111,6 +112,23 @@ class ReconcileReport(msgspec.Struct):
             self.skipped += 1
         else:
             self.errors += 1
+
+
+def key_among(stale: StaleRecord, candidates: Iterable[tuple[str | None, str]]) -> tuple[str, str] | None:
+    """The (scope, client key) of `stale` among `candidates`, or None when it is not one of them.
+
+    Stores keep only a digest of each key (unless `store_keys=True`), so a listed claim's scope and
+    key read "?": a resolver that can list what its provider saw lately (its recent idempotency
+    keys, rebuilt as (scope, client key)) finds the claim's own by digest, then asks the provider
+    by it. A claim whose store kept the raw key is returned as it is.
+    """
+    k = stale.key
+    if not k.hidden:
+        return k.scope, k.key
+    for scope, key in candidates:
+        if RecordKey.build(k.namespace, scope, key).digest == k.digest:
+            return scope or "", key
+    return None
 
 
 def resolver_from_recover(

@@ -75,6 +75,9 @@ class FakeProvider:
     async def find_charge(self, *, idempotency_key: str) -> SimpleNamespace | None:
         return self.charges.get(idempotency_key)
 
+    async def recent_idempotency_keys(self) -> list[str]:
+        return list(self.charges)
+
     async def find_by_key(self, key: str) -> SimpleNamespace | None:
         return self.charges.get(key)
 
