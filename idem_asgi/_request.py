@@ -132,7 +132,11 @@ class Protected:
             if refusal.event is not None:
                 self.mw.emit(refusal.event, self.route, self.rkey, refusal.problem.status)
             await problems.send_problem(
-                self.send, refusal.problem, refusal.detail, retry_after=refusal.retry_after, base=self.mw.problem_base
+                self.send,
+                refusal.problem,
+                refusal.detail,
+                retry_after=refusal.retry_after,
+                base=problems.located(self.mw.problem_base, self.scope),
             )
 
     async def _prepare(self) -> bool:

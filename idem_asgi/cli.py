@@ -94,7 +94,9 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("stale", help="list claims whose holder stopped (lease over, never completed)")
     _common(p, top=False)
-    p.add_argument("--older-than", type=float, default=60.0, metavar="SECONDS", help="lease ended this long ago (60)")
+    p.add_argument(
+        "--older-than", type=float, default=0.0, metavar="SECONDS", help="lease ended this long ago (0: every one)"
+    )
     p.add_argument("--limit", type=int, default=1000, help="at most this many (1000)")
     p.add_argument("--namespace", default=None, help="only this namespace (default: all)")
 
@@ -426,7 +428,12 @@ async def _migrate(args: argparse.Namespace) -> int:
     async with _open(args) as backend:
         await backend.setup()
         form, lines = await _key_form(args, backend, "rows")
-    _emit(args, {"table": args.table, "applied": True, **form}, lambda: [f"schema ready: table {args.table}", *lines])
+        owner = await backend.may_alter()
+    doc = {"table": args.table, "applied": True, **form, "may_alter": owner}
+    head = f"schema ready: table {args.table}"
+    if not owner:  # it was there already: this role could not have made it, nor can change it
+        head += " (made by another role; this one may not alter it: run migrate as its owner after upgrades)"
+    _emit(args, doc, lambda: [head, *lines])
     return 0
 
 

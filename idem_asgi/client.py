@@ -21,7 +21,8 @@ use exponential backoff with full jitter, or the server's `Retry-After` (delay-s
 HTTP-date; a value that is neither is ignored) when it sends one; attempts and total time are
 bounded, reading the final answer's body included.
 
-httpx is imported here only, so the middleware never needs it: `pip install "idem-asgi[client]"`.
+httpx is imported here only, so the middleware never needs it: `pip install ".[client]"` from a
+clone (`"idem-asgi[client]"` once published).
 """
 
 from __future__ import annotations
@@ -37,12 +38,12 @@ from typing import Any, Generic, TypeVar
 
 import anyio
 
-from .errors import MissingExtra
+from .errors import missing_extra
 
 try:
     import httpx
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess by the tests
-    raise MissingExtra('idem_asgi.client needs httpx, which is not installed: pip install "idem-asgi[client]"') from exc
+    raise missing_extra("idem_asgi.client needs httpx", "client") from exc
 
 from .problems import IN_PROGRESS, slug_of
 

@@ -305,9 +305,7 @@ async def test_422_fingerprint_mismatch_is_never_retried() -> None:
         other = await c.client.post("/payments", json={"amount": 2}, headers=headers)
     assert first.status_code == 201
     assert other.status_code == 422
-    assert (
-        other.json()["type"] == "https://github.com/idem-asgi/idem-asgi/blob/main/docs/problems.md#fingerprint-mismatch"
-    )
+    assert other.json()["type"] == "urn:idem-asgi:problem:fingerprint-mismatch"
     assert other.extensions["idempotency_attempts"] == 1
     assert shop.keys_seen("/payments") == ["k-422", "k-422"]  # one attempt each
     assert shop.runs["k-422"] == 1
@@ -333,7 +331,7 @@ async def test_outcome_unknown_409_is_never_retried() -> None:
     async with InProcess(shop) as c:
         r = await c.client.post("/hang", content=b"x", headers=headers)
     assert r.status_code == 409
-    assert r.json()["type"] == "https://github.com/idem-asgi/idem-asgi/blob/main/docs/problems.md#outcome-unknown"
+    assert r.json()["type"] == "urn:idem-asgi:problem:outcome-unknown"
     assert r.extensions["idempotency_attempts"] == 1
     assert shop.runs["k-unknown"] == 1
 
@@ -400,7 +398,7 @@ async def test_retry_after_beyond_the_deadline_gives_up_at_once() -> None:
         r = await c.client.post("/payments", json={"amount": 1})
         elapsed = time.monotonic() - start
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
-    assert r.json()["type"] == "https://github.com/idem-asgi/idem-asgi/blob/main/docs/problems.md#store-unavailable"
+    assert r.json()["type"] == "urn:idem-asgi:problem:store-unavailable"
     assert r.extensions["idempotency_attempts"] == 1
     assert elapsed < 0.5 + SLACK
 

@@ -18,9 +18,9 @@ from ..errors import BackendError, BackendMisconfigured, BackendUnavailable
 try:
     import asyncpg
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    from ..errors import MissingExtra
+    from ..errors import missing_extra
 
-    raise MissingExtra("PostgresBackend needs asyncpg: pip install 'idem-asgi[postgres]'") from exc
+    raise missing_extra("PostgresBackend needs asyncpg", "postgres") from exc
 
 # after the check above: these need asyncpg
 from ._postgres_lean import LeanPool, broken_by

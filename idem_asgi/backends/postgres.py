@@ -22,7 +22,7 @@ from ..errors import (
     BackendMisconfigured,
     ClaimLost,
     ConfigurationError,
-    MissingExtra,
+    missing_extra,
 )
 from ..records import COMPLETED, IN_PROGRESS, Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
 from ..records import StaleRecord as StaleRecord  # re-exported: it was defined here before records.py
@@ -33,7 +33,7 @@ from ._postgres_sql import DDL, Statements, index_name
 try:
     import asyncpg
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise MissingExtra("PostgresBackend needs asyncpg: pip install 'idem-asgi[postgres]'") from exc
+    raise missing_extra("PostgresBackend needs asyncpg", "postgres") from exc
 
 # After the check above: these need asyncpg.
 from . import _postgres_keys
@@ -238,6 +238,12 @@ class PostgresBackend(ClosingMixin):
                 f"postgres: the role may not read and write {self.table}; fix: GRANT SELECT, INSERT, UPDATE, "
                 f"DELETE ON {self.table} TO <the app's role>"
             )
+
+    async def may_alter(self) -> bool:
+        """Whether this role owns the table (or is a member of its owner): only then can it run a
+        later version's `ALTER TABLE`; `idem-asgi migrate` says so when it cannot."""
+        sql = "SELECT pg_has_role(current_user, relowner, 'USAGE') FROM pg_class WHERE oid = to_regclass($1)"
+        return bool(await self._runner.run(await self._get_pool(), "fetchval", sql, self.table))
 
     async def setup(self) -> None:
         """Create the table and indexes if missing (idempotent, safe to run from many workers at once).

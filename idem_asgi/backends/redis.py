@@ -31,7 +31,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar
 
-from ..errors import BackendUnavailable, ConfigurationError, MissingExtra
+from ..errors import BackendUnavailable, ConfigurationError, missing_extra
 from ..records import (
     COMPLETED,
     IN_PROGRESS,
@@ -55,7 +55,7 @@ try:
     from redis.asyncio.retry import Retry
     from redis.backoff import ExponentialBackoff
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise MissingExtra("RedisBackend needs redis-py: pip install 'idem-asgi[redis]'") from exc
+    raise missing_extra("RedisBackend needs redis-py", "redis") from exc
 
 # After the check above: these need redis-py.
 from . import _redis_keys
