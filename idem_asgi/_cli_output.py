@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
-from .reconcile import ReconcileReport
+from .reconcile import ReconcileItem, ReconcileReport
 from .records import Record, RecordKey, StaleRecord, StoredResponse
 
 
@@ -23,6 +23,7 @@ def response_doc(response: StoredResponse) -> dict[str, Any]:
         "headers": [[text(n), text(v)] for n, v in response.headers],
         "body_size": len(response.body),
         "replayable": response.replayable,
+        "sealed": response.sealed,
     }
 
 
@@ -97,8 +98,15 @@ def report_doc(report: ReconcileReport) -> dict[str, Any]:
     }
 
 
+def item_label(i: ReconcileItem) -> str:
+    """As `stale` prints the same claim: the digest when the store keeps no raw key."""
+    if i.digest and i.scope == i.key == "?":
+        return f"{i.namespace} / sha256:{i.digest[:16]}"
+    return label(i.namespace, i.scope, i.key)
+
+
 def report_lines(report: ReconcileReport) -> list[str]:
-    out = [f"{i.action:<10}  {label(i.namespace, i.scope, i.key)}  {i.detail}" for i in report.items]
+    out = [f"{i.action:<10}  {item_label(i)}  {i.detail}" for i in report.items]
     r = report
     out.append(
         f"examined {r.examined}: completed {r.completed}, released {r.released}, unresolved {r.unresolved}, "

@@ -38,6 +38,7 @@ from .keys import route_key
 from .observe import EventName
 from .records import Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
 from .routing import Route, route_path
+from .transform import seal, unseal
 
 if TYPE_CHECKING:
     from .backends import Backend
@@ -131,7 +132,11 @@ class Protected:
             if refusal.event is not None:
                 self.mw.emit(refusal.event, self.route, self.rkey, refusal.problem.status)
             await problems.send_problem(
-                self.send, refusal.problem, refusal.detail, retry_after=refusal.retry_after, base=self.mw.problem_base
+                self.send,
+                refusal.problem,
+                refusal.detail,
+                retry_after=refusal.retry_after,
+                base=problems.located(self.mw.problem_base, self.scope),
             )
 
     async def _prepare(self) -> bool:
@@ -511,17 +516,15 @@ class Protected:
             logger.error("idem_asgi: too many writes waiting for the store; key %r is not retried", self.rkey.key)
 
     def _sealed(self, response: StoredResponse) -> StoredResponse:
-        """The answer as the store keeps it (the middleware's `transform`)."""
-        transform = self.mw.transform
-        return response if transform is None else transform.store(response)
+        """The answer as the store keeps it (the middleware's `transform`, marked sealed)."""
+        return seal(self.mw.transform, response)
 
     def _opened(self, response: StoredResponse) -> StoredResponse:
-        """A stored answer as it is replayed; a transform that cannot open it is a server misconfiguration."""
-        transform = self.mw.transform
-        if transform is None:
-            return response
+        """A stored answer as it is replayed; a sealed one this server cannot open is a misconfiguration."""
+        if not response.sealed:
+            return response  # stored in clear (also before the transform was turned on): as it was stored
         try:
-            return transform.load(response)
+            return unseal(self.mw.transform, response)
         except Exception as exc:
             throttled(logging.ERROR, f"idem_asgi: the answer transform cannot read a stored answer: {exc!r}")
             raise Refused(

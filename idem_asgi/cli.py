@@ -2,7 +2,7 @@
 
     idem-asgi --backend redis://localhost:6379/0 inspect pay-7f3a --scope tenant-42
     idem-asgi stale --older-than 300                        # backend from $IDEM_BACKEND_URL
-    idem-asgi reconcile --hook shop.ops:resolve --dry-run
+    idem-asgi reconcile --hook shop.ops:resolve --transform shop.ops:sealing --dry-run
     idem-asgi purge --batch-size 5000
     idem-asgi --backend postgresql://app@db/shop migrate --print
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib
 import json
 import logging
 import os
@@ -28,12 +27,15 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Final
 
+import msgspec
+
+from ._cli_load import load_hook, load_transform
 from ._cli_output import iso, key_doc, key_label, label, record_doc, report_doc, report_lines, stale_doc, text
 from .backends import backend_class
 from .backends._protocol import Backend
 from .errors import BackendError, BackendMisconfigured, BackendUnavailable, ConfigurationError, InvalidScope
 from .keys import ANONYMOUS_SCOPE, stored_scope
-from .reconcile import ReconcilableBackend, Resolver, reconcile
+from .reconcile import ReconcilableBackend, reconcile
 from .records import RecordKey
 
 __all__ = ["main", "run"]
@@ -62,9 +64,10 @@ def _common(parser: argparse.ArgumentParser, *, top: bool) -> None:
     parser.add_argument("--table", default=default("idem_records"), help="Postgres table (default: idem_records)")
     parser.add_argument(
         "--store-keys",
-        action="store_true",
-        default=default(False),
-        help="the app keeps raw keys (store_keys=True): look Postgres records up by them",
+        action=argparse.BooleanOptionalAction,
+        default=default(None),
+        help="the app keeps raw keys (store_keys=True), or not (--no-store-keys); "
+        "default: as the store records it (see migrate)",
     )
     parser.add_argument("--cluster", action="store_true", default=default(False), help="the Redis URL is a cluster")
     parser.add_argument("--timeout", type=float, default=default(5.0), help="seconds per store call (default: 5)")
@@ -91,7 +94,9 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("stale", help="list claims whose holder stopped (lease over, never completed)")
     _common(p, top=False)
-    p.add_argument("--older-than", type=float, default=60.0, metavar="SECONDS", help="lease ended this long ago (60)")
+    p.add_argument(
+        "--older-than", type=float, default=0.0, metavar="SECONDS", help="lease ended this long ago (0: every one)"
+    )
     p.add_argument("--limit", type=int, default=1000, help="at most this many (1000)")
     p.add_argument("--namespace", default=None, help="only this namespace (default: all)")
 
@@ -109,6 +114,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--lease", type=float, default=30.0, help="lease held while writing an outcome, seconds (30)")
     p.add_argument("--concurrency", type=int, default=1, help="claims resolved at once (1)")
+    p.add_argument(
+        "--transform",
+        metavar="MODULE:NAME",
+        default=None,
+        help="the app's transform (EncryptBody, ...): resolved answers are sealed as the app seals them "
+        "(default: stored in clear, marked so; they replay under any transform)",
+    )
     p.add_argument("--dry-run", action="store_true", help="ask the hook, write nothing")
 
     p = sub.add_parser("purge", help="delete expired records (Redis expires them by itself)")
@@ -195,7 +207,7 @@ def _url(args: argparse.Namespace) -> str:
 
 
 @contextlib.asynccontextmanager
-async def _open(args: argparse.Namespace, *, create_table: bool = False) -> AsyncIterator[Any]:
+async def _open(args: argparse.Namespace) -> AsyncIterator[Any]:
     """The store named by the URL, through the one scheme table (`backends.SCHEMES`), closed on the way out.
 
     A Postgres store gets a small pool and never creates its table as a side effect (only `migrate`
@@ -206,13 +218,13 @@ async def _open(args: argparse.Namespace, *, create_table: bool = False) -> Asyn
     options: dict[str, Any] = {}
     if cls.__name__ == "RedisBackend":
         options = {"prefix": args.prefix, "timeout": args.timeout, "cluster": args.cluster, "max_connections": 8}
-        options["store_keys"] = args.store_keys
+        options["store_keys"] = bool(args.store_keys)
     elif cls.__name__ == "PostgresBackend":
         options = {
             "table": args.table,
             "timeout": args.timeout,
-            "create_table": create_table,
-            "store_keys": args.store_keys,
+            "create_table": False,
+            "store_keys": bool(args.store_keys),
             "min_size": 1,
             "max_size": 2,
             "server_settings": {"application_name": PROG},
@@ -299,6 +311,9 @@ async def _inspect(args: argparse.Namespace) -> int:
     key = RecordKey.build(_utf8(args.namespace, "--namespace"), _stored_scope(scope), _utf8(args.key, "the key"))
     async with _open(args) as backend:
         record = await backend.get(key)
+        if record is None and args.store_keys is None and type(backend).__name__ == "PostgresBackend":
+            # Not told which form the app writes: a row kept raw (`store_keys=True`, 0.1.0) too.
+            record = await backend.get(msgspec.structs.replace(key, stored_raw=True))
     if record is None:
         missing = f"no record for {label(key.namespace, key.scope, key.key)}"
         _emit(args, {**key_doc(key), "found": False}, lambda: [missing])
@@ -325,6 +340,7 @@ async def _inspect(args: argparse.Namespace) -> int:
         if record.response is not None:
             r = record.response
             note = "replayable" if r.replayable else "not replayable (too large to store)"
+            note += ", sealed (the app's transform opens it)" if r.sealed else ""
             out.append(f"response  {r.status}, {len(r.headers)} headers, {len(r.body)} bytes, {note}")
             out.extend(f"  {text(n)}: {text(v)}" for n, v in r.headers)
         return out
@@ -355,35 +371,9 @@ async def _stale(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_hook(spec: str) -> Resolver:
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigurationError(f"--hook must be MODULE:FUNCTION, got {spec!r}")
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.insert(0, cwd)  # as `python -m` does: hooks in the current project are found
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise ConfigurationError(f"hook module {module_name!r} not found") from None
-        raise ConfigurationError(f"importing hook module {module_name!r} failed: {exc}") from None
-    except Exception as exc:
-        raise ConfigurationError(f"importing hook module {module_name!r} failed: {type(exc).__name__}: {exc}") from None
-    obj: Any = module
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ConfigurationError(f"hook module {module_name!r} has no {attr!r}") from None
-    if not callable(obj):
-        raise ConfigurationError(f"hook {spec!r} is not callable")
-    resolver: Resolver = obj
-    return resolver
-
-
 async def _reconcile(args: argparse.Namespace) -> int:
-    resolve = _load_hook(args.hook)
+    resolve = load_hook(args.hook)
+    transform = load_transform(args.transform)
     if args.limit < 1 or args.concurrency < 1:
         raise ConfigurationError("--limit and --concurrency must be at least 1")
     _not_negative(args.older_than, "--older-than")
@@ -400,6 +390,7 @@ async def _reconcile(args: argparse.Namespace) -> int:
             namespace=args.namespace,
             dry_run=args.dry_run,
             concurrency=args.concurrency,
+            transform=transform,
         )
     _emit(args, report_doc(report), lambda: report_lines(report))
     return 1 if report.errors else 0
@@ -423,8 +414,8 @@ async def _migrate(args: argparse.Namespace) -> int:
     kind = None if url is None else backend_class(url).__name__
     if kind == "RedisBackend":  # no schema: only records that hold raw keys to rewrite
         async with _open(args) as redis_store:
-            rewritten, _ = (0, 0) if args.store_keys else await redis_store.hash_stored_keys()
-        _emit(args, {"keys_hashed": rewritten}, lambda: [f"raw keys removed from {rewritten} record(s)"])
+            doc, lines = await _key_form(args, redis_store, "records")
+        _emit(args, doc, lambda: lines)
         return 0
     if kind is not None and kind != "PostgresBackend":
         raise ConfigurationError("migrate is for postgresql:// and Redis backends; the memory store keeps nothing")
@@ -436,13 +427,33 @@ async def _migrate(args: argparse.Namespace) -> int:
         return 0
     async with _open(args) as backend:
         await backend.setup()
-        rewritten, left = (0, 0) if args.store_keys else await backend.hash_stored_keys()
-    doc = {"table": args.table, "applied": True, "keys_hashed": rewritten, "keys_left": left}
-    lines = [f"schema ready: table {args.table}"]
-    if rewritten or left:
-        lines.append(f"raw keys replaced by their digest in {rewritten} row(s); {left} left (a newer row exists)")
-    _emit(args, doc, lambda: lines)
+        form, lines = await _key_form(args, backend, "rows")
+        owner = await backend.may_alter()
+    doc = {"table": args.table, "applied": True, **form, "may_alter": owner}
+    head = f"schema ready: table {args.table}"
+    if not owner:  # it was there already: this role could not have made it, nor can change it
+        head += " (made by another role; this one may not alter it: run migrate as its owner after upgrades)"
+    _emit(args, doc, lambda: [head, *lines])
     return 0
+
+
+async def _key_form(args: argparse.Namespace, store: Any, what: str) -> tuple[dict[str, Any], list[str]]:
+    """Raw keys: kept while the store records an app with `store_keys=True` (or `--store-keys` says
+    so, and is recorded); else rewritten to their digest (`--no-store-keys` first drops the record).
+    So `migrate` at every deploy never changes how a live app finds its records."""
+    if args.store_keys is False:
+        await store.forget_raw_keys()
+    elif args.store_keys:
+        await store.record_raw_keys()
+    since = None if args.store_keys is False else await store.raw_keys_recorded()
+    if since is not None:
+        note = f"raw keys kept: an app with store_keys=True uses this store (recorded {iso(since)})"
+        return {"store_keys": True, "keys_hashed": 0, "keys_left": 0}, [note]
+    rewritten, left = await store.hash_stored_keys()
+    doc = {"store_keys": False, "keys_hashed": rewritten, "keys_left": left}
+    if not (rewritten or left):
+        return doc, []
+    return doc, [f"raw keys replaced by their digest in {rewritten} {what}; {left} left (a newer record exists)"]
 
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], Awaitable[int]]] = {

@@ -13,14 +13,16 @@ what is safe to retry with that same key::
         r.extensions["idempotency_key"], was_replayed(r)
 
 Retried: transport errors (connection refused or reset, timeouts, a response lost on the way), 5xx
-(incl. 503 `store-unavailable`) and 409 `request-in-progress`. Never retried: every other 4xx (422
+(incl. 503 `store-unavailable`) and 409 `request-in-progress` (its `type` under any `problem_base`: the
+slug after the base is what counts). Never retried: every other 4xx (422
 `fingerprint-mismatch`, 409 `outcome-unknown` and `response-not-stored`, 400, 429, ...), and never a
 replayed answer (`Idempotent-Replayed: true`: it is final by definition, whatever its status). Waits
 use exponential backoff with full jitter, or the server's `Retry-After` (delay-seconds or an
 HTTP-date; a value that is neither is ignored) when it sends one; attempts and total time are
 bounded, reading the final answer's body included.
 
-httpx is imported here only, so the middleware never needs it: `pip install "idem-asgi[client]"`.
+httpx is imported here only, so the middleware never needs it: `pip install ".[client]"` from a
+clone (`"idem-asgi[client]"` once published).
 """
 
 from __future__ import annotations
@@ -36,14 +38,14 @@ from typing import Any, Generic, TypeVar
 
 import anyio
 
-from .errors import MissingExtra
+from .errors import missing_extra
 
 try:
     import httpx
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess by the tests
-    raise MissingExtra('idem_asgi.client needs httpx, which is not installed: pip install "idem-asgi[client]"') from exc
+    raise missing_extra("idem_asgi.client needs httpx", "client") from exc
 
-from .problems import IN_PROGRESS
+from .problems import IN_PROGRESS, slug_of
 
 __all__ = [
     "KEY_EXTENSION",
@@ -150,7 +152,10 @@ class _Rules:
             problem = json.loads(body)
         except ValueError:
             return False
-        return isinstance(problem, dict) and problem.get("type") == IN_PROGRESS.type
+        # The slug after whatever base the server builds its types from (`<problem_base><slug>`):
+        # a server behind its own docs' base is as much in progress as one with the default.
+        kind = problem.get("type") if isinstance(problem, dict) else None
+        return isinstance(kind, str) and slug_of(kind) == IN_PROGRESS.slug
 
     def wait(self, attempt: int, response: httpx.Response | None, deadline: float) -> float | None:
         """Seconds to sleep before the next attempt, or None to stop and hand over the last outcome.

@@ -14,7 +14,7 @@ delivery the same way:
   attempt and its bound (RabbitMQ quorum queue `x-delivery-limit`, JetStream consumer
   `max_deliver`) ends a poison message's retries instead of looping forever;
 - no key, another body under the same key, or an outcome unknown (the handler called
-  `current_job().mark_effect()`, then failed; its result could not be stored; or a consumer died
+  `current_job().mark_effect()`, then failed; its result could not be encoded; or a consumer died
   mid-handler and its lease ran out): dead-lettered at once (RabbitMQ reject without requeue;
   JetStream `term`), for a person.
 

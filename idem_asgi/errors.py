@@ -31,7 +31,29 @@ class ConfigurationError(IdemError):
 
 
 class MissingExtra(ConfigurationError, ImportError):
-    """Raised when a feature's optional dependency is missing; the message names the extra to install."""
+    """Raised when a feature's optional dependency is missing; the message says how to install it."""
+
+
+def missing_extra(what: str, extra: str) -> MissingExtra:
+    """`MissingExtra` for `what` (e.g. "RedisBackend needs redis-py"), with the install lines that
+    work today (idem-asgi is not on the package index yet: from a clone, from the built wheel, or
+    the driver alone, as this install's metadata declares it) and the published one for later."""
+    import re
+    from importlib import metadata
+
+    marker = re.compile(rf"""extra\s*==\s*["']{re.escape(extra)}["']""")
+    try:
+        version = metadata.version("idem-asgi")
+        wanted = [r.split(";")[0].strip() for r in metadata.requires("idem-asgi") or () if marker.search(r)]
+    except metadata.PackageNotFoundError:  # pragma: no cover - imported from a tree nobody installed
+        version, wanted = "<version>", []
+    quoted = " ".join(f'"{w}"' for w in wanted)
+    alone = f", or the driver alone: pip install {quoted}" if wanted else ""
+    return MissingExtra(
+        f'{what}, which is not installed. From a clone of idem-asgi: pip install ".[{extra}]"; from its wheel '
+        f'(python3 dev.py wheel): pip install "dist/idem_asgi-{version}-py3-none-any.whl[{extra}]"{alone}. '
+        f'Once idem-asgi is on the package index: pip install "idem-asgi[{extra}]".'
+    )
 
 
 class MalformedKey(IdemError, ValueError):

@@ -11,7 +11,7 @@ import os
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final, Literal
 
-from . import _shared, problems
+from . import _shared, problem_pages, problems
 from ._admission import header_key
 from ._asgi import run_unclaimed
 from ._late_writes import LateWrites
@@ -60,9 +60,11 @@ class IdempotencyMiddleware:
         transform: Applied to answers on their way into the store and back (`idem_asgi.transform`:
             `EncryptBody(fernet.encrypt, fernet.decrypt)`), so no response body sits in the store
             in clear; None stores them verbatim.
-        problem_base: URL the problem `type`s are built from (`<base><slug>`, also sent as
-            `Link: <...>; rel="describedby"`); default this project's docs/problems.md. Point it at
-            your own API docs to publish the page under your domain.
+        problem_base: What the problem `type`s are built from (`<base><slug>`). Default
+            `urn:idem-asgi:problem:`, identifiers that locate nothing. A path of this app (e.g.
+            `"/problems/"`) makes the middleware serve each problem's page there itself; an absolute
+            http(s) URL points at your own docs. Either way, refusals also carry
+            `Link: <type>; rel="describedby"`.
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class IdempotencyMiddleware:
             raise ConfigurationError(f"transform {transform!r} needs store(response) and load(response) methods")
         self.transform = transform
         self.problem_base = problems.check_base(problem_base)
+        self._pages = problems.served(self.problem_base)
         self._observer = observer
         self.observed = observer is not None  # checked before building an event on the hot path
         self.backend: Backend = _shared.backend_for(backend, routes)
@@ -182,6 +185,8 @@ class IdempotencyMiddleware:
             if scope["type"] == "lifespan":
                 send = self._lifespan_send(send)
             await self.app(scope, receive, send)
+            return
+        if self._pages and await problem_pages.serve(self.problem_base, scope, send):
             return
         route = self.table.lookup(scope)
         if route is None:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from .errors import MissingExtra
+from .errors import MissingExtra, missing_extra
 
 EventName = Literal[
     "claimed",  # a new key: the app runs
@@ -137,13 +137,13 @@ _counters: dict[tuple[int, str], Any] = {}
 
 def prometheus_observer(registry: Any = None, name: str = "idem_asgi_events_total") -> Observer:
     """A counter `idem_asgi_events_total{event, route}`, and `idem_asgi_answers_total{route, answer,
-    status}` for what became of each app answer (stored, released, kept); needs
-    `pip install "idem-asgi[prometheus]"`."""
+    status}` for what became of each app answer (stored, released, kept); needs the `prometheus`
+    extra (the error says how to install it)."""
     try:
         from prometheus_client import REGISTRY
         from prometheus_client import Counter as PromCounter
     except ImportError as exc:
-        raise MissingExtra('prometheus_observer needs prometheus-client: pip install "idem-asgi[prometheus]"') from exc
+        raise missing_extra("prometheus_observer needs prometheus-client", "prometheus") from exc
     registry = registry or REGISTRY
     slot = (id(registry), name)
     counter = _counters.get(slot)

@@ -15,11 +15,17 @@ _METHODS = frozenset({"get", "put", "post", "delete", "options", "head", "patch"
 
 
 def _problem_schema(base: str) -> dict[str, Any]:
+    if problems.served(base):
+        about, form = "a path of this API whose page (GET) says what happened and what to do", "uri-reference"
+    elif base == problems.DEFAULT_PROBLEM_BASE:
+        about, form = "an identifier of the case (it locates nothing); switch on it", "uri"
+    else:
+        about, form = "a URL whose page says what happened and what to do", "uri"
     return {
         "type": "object",
-        "description": "RFC 9457 problem details; `type` is a URL whose page says what happened and what to do.",
+        "description": f"RFC 9457 problem details; `type` is {about}.",
         "properties": {
-            "type": {"type": "string", "format": "uri", "enum": [p.url(base) for p in problems.ALL]},
+            "type": {"type": "string", "format": form, "enum": [p.url(base) for p in problems.ALL]},
             "title": {"type": "string"},
             "status": {"type": "integer"},
             "detail": {"type": "string"},
@@ -29,7 +35,8 @@ def _problem_schema(base: str) -> dict[str, Any]:
 
 
 _LINK = {
-    "description": 'The problem type\'s documentation: `<type URL>; rel="describedby"`.',
+    "description": 'The problem type\'s documentation: `<type>; rel="describedby"` (sent when `problem_base` '
+    "names a page: a path the middleware serves, or your docs).",
     "schema": {"type": "string"},
 }
 _ANSWERS = {
@@ -99,6 +106,7 @@ def add_openapi(
 def _install(app: Any, settings: _Settings) -> None:
     table = RouteTable(settings.routes, header=settings.header)
     generate = app.openapi
+    link = settings.problem_base != problems.DEFAULT_PROBLEM_BASE
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema:
@@ -107,7 +115,7 @@ def _install(app: Any, settings: _Settings) -> None:
         for path, item in schema.get("paths", {}).items():
             for method, operation in item.items():
                 if method in _METHODS and (route := table.match(path, method.upper())) is not None:
-                    _document(operation, route, settings.replay_header)
+                    _document(operation, route, settings.replay_header, link)
         schema.setdefault("components", {}).setdefault("schemas", {})["IdempotencyProblem"] = _problem_schema(
             settings.problem_base
         )
@@ -146,7 +154,7 @@ def _relative(policy: RoutePolicy, prefix: str) -> RoutePolicy:
     return replace(policy, path=policy.path[len(prefix) :] or "/")
 
 
-def _document(operation: dict[str, Any], route: Route, replay_header: str) -> None:
+def _document(operation: dict[str, Any], route: Route, replay_header: str, link: bool) -> None:
     parameters = operation.setdefault("parameters", [])
     declared = {(p.get("in"), str(p.get("name", "")).lower()) for p in parameters if isinstance(p, dict)}
     # A route that derives its key ignores the header: documenting it would mislead clients.
@@ -186,4 +194,5 @@ def _document(operation: dict[str, Any], route: Route, replay_header: str) -> No
     for code, text in _ANSWERS.items():
         entry = responses.setdefault(code, {"description": text})
         entry.setdefault("content", {})["application/problem+json"] = problem
-        entry.setdefault("headers", {})["Link"] = _LINK
+        if link:
+            entry.setdefault("headers", {})["Link"] = _LINK

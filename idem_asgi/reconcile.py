@@ -16,13 +16,18 @@ store grants only while that token still holds and its lease is still over (stor
 claim completed, released, renewed or taken over by anyone between the listing and the write
 is left alone and counted as skipped. So it is safe to run from cron while serving, and twice
 at once.
+
+A dry run (`dry_run=True`, `idem-asgi reconcile --dry-run`) writes nothing to the store, and tells
+the resolver so: `is_dry_run()` is True while it runs, so a resolver that writes anything of its
+own (a ledger entry, a refund) can skip it.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from contextvars import ContextVar
 from typing import Literal, Protocol, TypeAlias
 
 import anyio
@@ -32,7 +37,7 @@ from ._logging import redact
 from .backends._protocol import Backend, Maintenance
 from .errors import ConfigurationError
 from .records import IN_PROGRESS, Claimed, Record, RecordKey, StaleRecord, StoredResponse
-from .transform import AnswerTransform
+from .transform import AnswerTransform, seal
 
 __all__ = [
     "ReconcilableBackend",
@@ -40,11 +45,21 @@ __all__ = [
     "ReconcileReport",
     "Resolution",
     "Resolver",
+    "is_dry_run",
+    "key_among",
     "reconcile",
     "resolver_from_recover",
 ]
 
 logger = logging.getLogger("idem_asgi.reconcile")
+_DRY_RUN: ContextVar[bool] = ContextVar("idem_asgi_reconcile_dry_run", default=False)
+
+
+def is_dry_run() -> bool:
+    """True while a resolver runs for a dry run (`reconcile(dry_run=True)`, `--dry-run`): the
+    store is not written, and a resolver with writes of its own should skip them too."""
+    return _DRY_RUN.get()
+
 
 Resolution: TypeAlias = StoredResponse | Literal["release"] | None
 """What a resolver answers: the stored answer, `"release"` (never happened), or None (unknown)."""
@@ -99,6 +114,23 @@ class ReconcileReport(msgspec.Struct):
             self.errors += 1
 
 
+def key_among(stale: StaleRecord, candidates: Iterable[tuple[str | None, str]]) -> tuple[str, str] | None:
+    """The (scope, client key) of `stale` among `candidates`, or None when it is not one of them.
+
+    Stores keep only a digest of each key (unless `store_keys=True`), so a listed claim's scope and
+    key read "?": a resolver that can list what its provider saw lately (its recent idempotency
+    keys, rebuilt as (scope, client key)) finds the claim's own by digest, then asks the provider
+    by it. A claim whose store kept the raw key is returned as it is.
+    """
+    k = stale.key
+    if not k.hidden:
+        return k.scope, k.key
+    for scope, key in candidates:
+        if RecordKey.build(k.namespace, scope, key).digest == k.digest:
+            return scope or "", key
+    return None
+
+
 def resolver_from_recover(
     hook: Callable[[RecordKey, Record], Awaitable[StoredResponse | Literal["run"] | None]],
 ) -> Callable[[StaleRecord], Awaitable[Resolution]]:
@@ -138,10 +170,12 @@ async def reconcile(
             skipped unless `ttl` is given: never a silent default.
         lease: The short lease held between taking a claim over and writing its outcome.
         namespace: Only this namespace's claims (another app's claims need another resolver).
-        dry_run: Ask `resolve` but write nothing; the counts say what would have been done.
+        dry_run: Ask `resolve` but write nothing; the counts say what would have been done, and
+            `is_dry_run()` tells `resolve` (so it skips writes of its own).
         concurrency: Claims resolved at once (each `resolve` may call a payment provider).
-        transform: The middleware's `transform`, if it has one: resolved answers are stored through
-            it, so its replays can open them.
+        transform: The middleware's `transform`, if it has one: resolved answers are sealed through
+            it (and marked so). Without one they are stored in clear, marked so, and replay as
+            stored whatever transform the app has (`idem_asgi.transform`).
     """
     if concurrency < 1:
         raise ConfigurationError(f"concurrency must be at least 1, got {concurrency!r}")
@@ -163,9 +197,13 @@ async def reconcile(
         log = logger.warning if action == "error" else logger.info
         log("idem_asgi: reconcile %s key=%r scope=%r: %s %s", k.namespace, k.key, k.scope, action, detail)
 
-    async with anyio.create_task_group() as tg:
-        for s in stale:
-            tg.start_soon(one, s)
+    told = _DRY_RUN.set(dry_run)  # the resolvers' tasks inherit it: `is_dry_run()`
+    try:
+        async with anyio.create_task_group() as tg:
+            for s in stale:
+                tg.start_soon(one, s)
+    finally:
+        _DRY_RUN.reset(told)
     # Items are appended as they finish: put them back in listing order (oldest lease first).
     report.items.sort(key=lambda item: item.lease_until)
     return report
@@ -209,8 +247,8 @@ async def _resolve_one(
     if keep is None and isinstance(outcome, StoredResponse):
         return "skipped", "its TTL is not stored (an older record): pass ttl= (--ttl) to store an answer"
     try:
-        if transform is not None and isinstance(outcome, StoredResponse):
-            outcome = transform.store(outcome)
+        if isinstance(outcome, StoredResponse):
+            outcome = seal(transform, outcome)  # marked, so the app opens it with its own transform
         return await _apply(backend, s, outcome, ttl=keep or lease, lease=lease)
     except Exception as exc:
         logger.warning("idem_asgi: reconcile could not write the outcome for key %r: %s", s.key.key, exc)

@@ -34,6 +34,9 @@ class StoredResponse(msgspec.Struct, array_like=True, frozen=True, gc=False):
     replayable: bool = True
     trailers: list[tuple[bytes, bytes]] | None = None
     """HTTP trailers the app sent after the body (`http.response.trailers`), or None when it sent none."""
+    sealed: bool = False
+    """Stored through the middleware's `transform` (`idem_asgi.transform.seal`): only its `load` opens it.
+    False for an answer stored in clear (no transform, or one written before it was turned on)."""
 
 
 class Record(msgspec.Struct, frozen=True, gc=False):

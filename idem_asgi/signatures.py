@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Final, Literal, Protocol, runtime_checkable
 
-from . import problems
+from . import problem_pages, problems
 from ._asgi import TooLarge, declared_too_large, read_body, replaying
 from ._types import ASGIApp, Receive, Scope, Send
 from .derived import event_id
@@ -32,13 +32,11 @@ from .errors import ConfigurationError
 from .errors import SignatureInvalid as SignatureInvalid  # re-exported: schemes raise them
 from .errors import SignatureMalformed as SignatureMalformed
 from .policy import Duration, seconds
-from .problems import ProblemType
+from .problems import SIGNATURE_INVALID as SIGNATURE_INVALID  # re-exported: defined with their pages
+from .problems import SIGNATURE_MALFORMED as SIGNATURE_MALFORMED
 from .routing import PathTable, method_set
 
 logger = logging.getLogger("idem_asgi")
-
-SIGNATURE_MALFORMED: Final = ProblemType("signature-malformed", 400, "Malformed webhook signature")
-SIGNATURE_INVALID: Final = ProblemType("signature-invalid", 401, "Invalid webhook signature")
 
 Headers = Sequence[tuple[bytes, bytes]]
 _DIGEST_SIZE: Final = hashlib.sha256().digest_size
@@ -281,7 +279,8 @@ class SignatureMiddleware:
             (read once, at construction).
         methods: Protected methods; other methods on the same paths pass through.
         max_body: Largest body buffered for verification; over it: 413.
-        problem_base: URL the problem `type`s are built from (see `IdempotencyMiddleware`).
+        problem_base: What the problem `type`s are built from (see `IdempotencyMiddleware`); a path
+            of the app serves the problem pages there.
     """
 
     def __init__(
@@ -298,6 +297,7 @@ class SignatureMiddleware:
     ) -> None:
         self.app = app
         self.problem_base = problems.check_base(problem_base)
+        self._pages = problems.served(self.problem_base)
         if isinstance(paths, str):
             paths = [paths]
         if not paths:
@@ -361,6 +361,8 @@ class SignatureMiddleware:
         return f"SignatureMiddleware(scheme={self.scheme!r}, secrets=<{len(self._secrets)} hidden>)"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._pages and scope["type"] == "http" and await problem_pages.serve(self.problem_base, scope, send):
+            return
         if scope["type"] != "http" or self._table.lookup(scope) is None:
             await self.app(scope, receive, send)
             return
@@ -368,12 +370,12 @@ class SignatureMiddleware:
 
     async def _verify(self, scope: Scope, receive: Receive, send: Send) -> None:
         if declared_too_large(scope, self.max_body):
-            await self._too_large(send)
+            await self._too_large(scope, send)
             return
         try:
             body = await read_body(receive, self.max_body)
         except TooLarge:
-            await self._too_large(send)
+            await self._too_large(scope, send)
             return
         if body is None:
             return  # http.disconnect: nothing verified, nothing run
@@ -381,18 +383,22 @@ class SignatureMiddleware:
             self.scheme.verify(scope["headers"], body, self._secrets)
         except SignatureMalformed as exc:
             logger.warning("idem_asgi: webhook to %s refused (400): %s", scope["path"], exc)
-            await problems.send_problem(send, SIGNATURE_MALFORMED, str(exc), base=self.problem_base)
+            await problems.send_problem(
+                send, SIGNATURE_MALFORMED, str(exc), base=problems.located(self.problem_base, scope)
+            )
             return
         except SignatureInvalid as exc:
             logger.warning("idem_asgi: webhook to %s refused (401): %s", scope["path"], exc)
-            await problems.send_problem(send, SIGNATURE_INVALID, str(exc), base=self.problem_base)
+            await problems.send_problem(
+                send, SIGNATURE_INVALID, str(exc), base=problems.located(self.problem_base, scope)
+            )
             return
         await self.app(scope, replaying(body, receive), send)
 
-    async def _too_large(self, send: Send) -> None:
+    async def _too_large(self, scope: Scope, send: Send) -> None:
         await problems.send_problem(
             send,
             problems.BODY_TOO_LARGE,
             f"The webhook body exceeds the limit of {self.max_body} bytes.",
-            base=self.problem_base,
+            base=problems.located(self.problem_base, scope),
         )

@@ -7,7 +7,7 @@ Configured by environment variables (set by tests/test_multiprocess_storm.py):
 - `IDEM_STORM_NAMESPACE`: the middleware namespace (and Redis key prefix), unique per run.
 - `IDEM_STORM_COUNTER_URL`: the Redis that counts executions (the ground truth across processes).
 - `IDEM_STORM_COUNTER`: prefix of the per-key counters (`INCR <prefix><key>`).
-- `IDEM_STORM_DURABLE`: Redis `durable_replicas` (default 0).
+- `IDEM_STORM_DURABLE`: Redis `durable_replicas` (unset: `from_url`'s default for the URL).
 
 The handler counts, sleeps 20 ms, and answers 201 with a fresh uuid, so a second execution or a
 replay that is not byte for byte the first answer shows up at once.
@@ -44,10 +44,9 @@ def make_backend() -> Backend:
         return PostgresBackend.from_dsn(BACKEND_URL, table="idem_storm_records", min_size=1, max_size=10)
     from idem_asgi.backends.redis import RedisBackend
 
-    durable = int(os.environ.get("IDEM_STORM_DURABLE", "0"))  # replicas that must confirm claims
-    return RedisBackend.from_url(
-        BACKEND_URL, prefix=f"idem-storm:{NAMESPACE}:", max_connections=64, durable_replicas=durable
-    )
+    durable = os.environ.get("IDEM_STORM_DURABLE")  # replicas that must confirm claims (unset: the default)
+    options: dict[str, Any] = {} if durable is None else {"durable_replicas": int(durable)}
+    return RedisBackend.from_url(BACKEND_URL, prefix=f"idem-storm:{NAMESPACE}:", max_connections=64, **options)
 
 
 class Handler:

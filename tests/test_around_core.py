@@ -386,9 +386,7 @@ class Scripted(httpx.AsyncBaseTransport):
 
 
 def busy(retry_after: str) -> Callable[[], httpx.Response]:
-    body = json.dumps(
-        {"type": "https://github.com/idem-asgi/idem-asgi/blob/main/docs/problems.md#request-in-progress", "status": 409}
-    ).encode()
+    body = json.dumps({"type": "urn:idem-asgi:problem:request-in-progress", "status": 409}).encode()
     headers = [(b"content-type", b"application/problem+json"), (b"retry-after", retry_after.encode("latin-1"))]
     return lambda: httpx.Response(409, headers=headers, content=body)
 

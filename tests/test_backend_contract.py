@@ -1,6 +1,6 @@
 """The backend contract: the same tests, unchanged, on every store: memory, Redis through the lean
 pool `from_url` builds, Redis through a plain redis-py client handed in, a three-primary Redis
-Cluster, and Postgres.
+Cluster, and Postgres (directly, and with the plain URL through a transaction-mode PgBouncer).
 
 A plain client a user hands in takes the lean pool too (`redis-client`); one the lean pool cannot
 serve (here: a client name) keeps redis-py for every call (`redis-py`), as a Cluster does."""
@@ -17,10 +17,12 @@ import redis.asyncio as aioredis
 from idem_asgi._decide import Action, decide
 from idem_asgi.backends import Backend
 from idem_asgi.backends._protocol import Maintenance
+from idem_asgi.backends.postgres import PostgresBackend
 from idem_asgi.backends.redis import RedisBackend
 from idem_asgi.records import COMPLETED, IN_PROGRESS, Claimed, Existing, RecordKey, StaleRecord, StoredResponse
+from tests.support.pgbouncer import pgbouncer
 from tests.support.servers import REDIS_URL, redis_cluster, redis_sentinel, require
-from tests.support.stores import BACKENDS, make_backend
+from tests.support.stores import BACKENDS, TEST_TABLE, make_backend
 
 DAY = 86_400.0
 STORES = [
@@ -31,6 +33,7 @@ STORES = [
     pytest.param("redis-sentinel", marks=pytest.mark.redis),  # durable claims, through Sentinel (redis-py)
     pytest.param("redis-durable", marks=pytest.mark.redis),  # durable claims, lean pool on the primary
     pytest.param("redis-cluster-durable", marks=pytest.mark.redis),  # durable claims per shard
+    pytest.param("postgres-pgbouncer", marks=pytest.mark.postgres),  # the plain URL, through a transaction pooler
 ]
 
 
@@ -54,6 +57,13 @@ def sentinel_topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tupl
     three sentinels for this module."""
     with redis_sentinel(tmp_path_factory.mktemp("contract-sentinel")) as (primary, _, sentinels):
         yield "redis+sentinel://" + ",".join(s.address for s in sentinels) + "/mymaster/0", primary.url
+
+
+@pytest.fixture(scope="module")
+def pgbouncer_dsn() -> Iterator[str]:
+    """A PgBouncer in `pool_mode = transaction` in front of the test database, for this module."""
+    with pgbouncer("transaction") as dsn:
+        yield dsn
 
 
 @pytest.fixture(params=STORES)
@@ -80,6 +90,10 @@ async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
         redis_store = RedisBackend.from_url(url, prefix=prefix, durable_replicas=2)
         assert (redis_store._lean is None) == (request.param == "redis-sentinel")
         store = redis_store
+    elif request.param == "postgres-pgbouncer":
+        pg = PostgresBackend.from_dsn(request.getfixturevalue("pgbouncer_dsn"), table=TEST_TABLE, max_size=20)
+        await pg.setup()
+        store = pg
     else:
         store = await make_backend(request.param, prefix=prefix)
     try:

@@ -214,3 +214,21 @@ async def test_a_full_store_admits_in_constant_time_as_records_expire() -> None:
         assert await backend.complete(k(i), claimed.token, RESPONSE, ttl=9.995)
     assert len(backend) <= 1_000
     assert [await backend.get(k(i)) is not None for i in (0, 18_000, 19_999)] == [False, False, True]
+
+
+async def test_a_claim_right_after_the_ttl_is_new_without_a_read_in_between() -> None:
+    clock = Clock()
+    backend = MemoryBackend(clock=clock)
+    for i, fingerprint in enumerate((b"fp", b"other")):
+        first = await backend.claim(k(i), b"fp", lease=5, ttl=10)
+        assert isinstance(first, Claimed)
+        assert await backend.complete(k(i), first.token, RESPONSE, ttl=10)
+        clock.now += 9.99
+        assert isinstance(await backend.claim(k(i), fingerprint, lease=5, ttl=10), Existing)  # still kept
+        clock.now += 0.01  # exactly at its expiry, and no get() since
+        again = await backend.claim(k(i), fingerprint, lease=5, ttl=10)
+        assert isinstance(again, Claimed) and again.token != first.token, "expired: a new claim, not a replay"
+    running = await backend.claim(k("running"), b"fp", lease=30, ttl=10)
+    clock.now += 10  # an in-progress claim past its TTL, too
+    assert isinstance(await backend.claim(k("running"), b"fp", lease=30, ttl=10), Claimed)
+    assert isinstance(running, Claimed)

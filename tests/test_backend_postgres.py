@@ -72,6 +72,10 @@ async def pg() -> AsyncIterator[PostgresBackend]:
             await backend.aclose()
 
 
+APP_ROWS = "namespace <> ''"
+"""The records (not the settings row that says the app keeps raw keys: `store_keys=True`)."""
+
+
 def k(key: str = "key-1", scope: str | None = None, namespace: str = "ns") -> RecordKey:
     return RecordKey.build(namespace, scope, key)
 
@@ -237,7 +241,7 @@ async def test_hostile_values_are_bound_parameters(pg: PostgresBackend, raw: asy
             assert [tuple(r) for r in rows] == [(value, value, value)], value
             again = await pg.claim(key, value.encode(), lease=30, ttl=DAY)
             assert isinstance(again, Existing) and again.record.response == RESPONSE
-            assert await raw.fetchval(f"SELECT count(*) FROM {pg.table}") == i + 1
+            assert await raw.fetchval(f"SELECT count(*) FROM {pg.table} WHERE {APP_ROWS}") == i + 1
         assert await raw.fetchval("SELECT to_regclass($1)", canary) is not None
     finally:
         await raw.execute(f"DROP TABLE IF EXISTS {canary}")
@@ -366,13 +370,13 @@ async def fill(pg: PostgresBackend, expired: int, live: int) -> None:
 
 
 async def live_keys(pg: PostgresBackend, raw: asyncpg.Connection) -> set[str]:
-    return {r[0] for r in await raw.fetch(f"SELECT key FROM {pg.table}")}
+    return {r[0] for r in await raw.fetch(f"SELECT key FROM {pg.table} WHERE {APP_ROWS}")}
 
 
 async def test_purge_removes_only_expired_rows_in_batches(pg: PostgresBackend, raw: asyncpg.Connection) -> None:
     await fill(pg, expired=25, live=6)
     assert await pg.purge(batch_size=10, max_batches=1) == 10
-    assert await raw.fetchval(f"SELECT count(*) FROM {pg.table}") == 21
+    assert await raw.fetchval(f"SELECT count(*) FROM {pg.table} WHERE {APP_ROWS}") == 21
     assert await pg.purge(batch_size=10) == 15  # two more batches: 10, then 5 (short, so it stops)
     assert await live_keys(pg, raw) == {f"live-{i}" for i in range(6)}
     assert await pg.purge() == 0
@@ -580,7 +584,7 @@ async def test_concurrent_requests_each_mark_their_own_claim(
                 await conn.execute(f"INSERT INTO {ledger} VALUES ($1, $2)", f"key-{i}", i)
 
     await asyncio.gather(*[request(i) for i in range(20)])
-    rows = await raw.fetch(f"SELECT key, state FROM {pg.table}")
+    rows = await raw.fetch(f"SELECT key, state FROM {pg.table} WHERE {APP_ROWS}")
     assert {(r["key"], r["state"]) for r in rows} == {(f"key-{i}", b"e") for i in range(20)}
     assert await raw.fetchval(f"SELECT count(DISTINCT key) FROM {ledger}") == 20
 
@@ -629,19 +633,31 @@ async def test_transaction_without_a_claim_is_a_plain_transaction(
             pass
 
 
-async def test_setup_refuses_a_pool_that_is_not_read_committed() -> None:
-    """Under REPEATABLE READ concurrent claims of one key fail with serialization errors."""
+async def test_a_pool_that_is_not_read_committed_claims_once_without_serialization_errors() -> None:
+    """Under REPEATABLE READ a losing claimer gets 40001. The backend no longer pins the sessions
+    with a startup parameter (PgBouncer refuses it): it sees the default and runs each statement in a
+    READ COMMITTED transaction. Before: `setup()` refused such a pool, and `from_dsn` with the
+    same `server_settings` too."""
     require("postgres", POSTGRES_DSN)
     settings = {"default_transaction_isolation": "repeatable read"}
-    pool = await asyncpg.create_pool(POSTGRES_DSN, min_size=1, max_size=1, server_settings=settings)
+    pool = await asyncpg.create_pool(POSTGRES_DSN, min_size=1, max_size=10, server_settings=settings)
     try:
-        with pytest.raises(ConfigurationError, match="read committed"):
-            await PostgresBackend(pool, table=fresh_table()).setup()
+        for backend in (
+            PostgresBackend(pool, table=fresh_table()),
+            PostgresBackend.from_dsn(POSTGRES_DSN, table=fresh_table(), max_size=10, server_settings=settings),
+        ):
+            try:
+                await backend.setup()
+                for i in range(5):
+                    key = RecordKey.build("rr", None, f"key-{i}")
+                    results = await asyncio.gather(*(backend.claim(key, b"fp", lease=30, ttl=60) for _ in range(40)))
+                    assert sum(isinstance(r, Claimed) for r in results) == 1
+                    assert all(isinstance(r, Claimed | Existing) for r in results)
+            finally:
+                await drop(backend.table)
+                await backend.aclose()
     finally:
         await pool.close()
-    async with PostgresBackend.from_dsn(POSTGRES_DSN, table=fresh_table(), min_size=1, max_size=1) as b:
-        await b.setup()  # from_dsn pins its sessions to READ COMMITTED
-        await drop(b.table)
 
 
 # --- fair turns at the pool (asyncpg's own queue lets newcomers barge past waiters) ---------------

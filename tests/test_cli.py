@@ -25,6 +25,7 @@ from idem_asgi.backends.postgres import PostgresBackend
 from idem_asgi.backends.redis import RedisBackend
 from idem_asgi.cli import main, run
 from idem_asgi.records import COMPLETED, Claimed, RecordKey, StoredResponse
+from idem_asgi.transform import unseal
 from tests.support.servers import POSTGRES_DSN, REDIS_URL, free_port, require
 from tests.support.stores import SHARED
 
@@ -58,7 +59,8 @@ async def store(request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[st
     args = ["--backend", POSTGRES_DSN, "--table", table, "--store-keys"]
     # The CLI makes the table (and nothing else does: the backend below is given a pool).
     assert await run([*args, "migrate"]) == 0
-    assert capsys.readouterr().out == f"schema ready: table {table}\n"
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"schema ready: table {table}" and out[1].startswith("raw keys kept: an app with store_keys=True")
     pool = await asyncpg.create_pool(POSTGRES_DSN, min_size=1, max_size=4)
     try:
         async with PostgresBackend(pool, table=table, store_keys=True) as pg:
@@ -99,11 +101,14 @@ def hook_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str
         textwrap.dedent(
             f"""
             from idem_asgi.records import StoredResponse
+            from idem_asgi.reconcile import is_dry_run
 
             asked = []
+            dry = []  # what is_dry_run() said at each call
 
             async def resolve(stale):
                 asked.append(stale.key.key)
+                dry.append(is_dry_run())
                 if stale.key.key.startswith("paid"):
                     return StoredResponse(200, [(b"content-type", b"application/json")], {FOUND.body!r})
                 if stale.key.key.startswith("gone"):
@@ -113,6 +118,12 @@ def hook_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str
                 return None
 
             not_a_function = 42
+
+            from cryptography.fernet import Fernet
+            from idem_asgi.transform import EncryptBody
+
+            fernet = Fernet(Fernet.generate_key())
+            sealing = EncryptBody(fernet.encrypt, fernet.decrypt)  # the app's transform
             """
         )
     )
@@ -150,6 +161,7 @@ async def test_inspect_prints_a_completed_record(
         "headers": [["content-type", "application/json"], ["x-charge", "ch_1"]],
         "body_size": len(RESPONSE.body),
         "replayable": True,
+        "sealed": False,
     }
     assert abs(iso(doc["expires_at"]) - time.time() - DAY) < 60
     assert iso(doc["lease_until"]) <= time.time() + 5
@@ -178,8 +190,15 @@ async def test_stale_lists_stuck_claims(store: Store, namespace: str, capsys: py
     assert code == 0
     assert f"{namespace} / t / stuck-1  token {token}" in out
     assert out.endswith("1 stale claim(s) whose lease ended more than 0 s ago\n")
-    code, doc = await cli_json(capsys, *store.args, "stale", "--namespace", namespace)  # default: 60 s ago
-    assert (code, doc) == (0, [])
+
+
+async def test_stale_by_default_lists_a_claim_whose_lease_just_ended(
+    store: Store, namespace: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await stuck(store.backend, RecordKey.build(namespace, "t", "just-ended"))
+    await asyncio.sleep(0.25)
+    code, doc = await cli_json(capsys, *store.args, "stale", "--namespace", namespace)
+    assert code == 0 and [d["key"] for d in doc] == ["just-ended"]  # no --older-than: every ended lease
 
 
 async def test_reconcile_runs_the_hook(
@@ -195,6 +214,7 @@ async def test_reconcile_runs_the_hook(
     assert code == 0 and doc["dry_run"] is True
     assert (doc["examined"], doc["completed"], doc["released"], doc["unresolved"]) == (3, 1, 1, 1)
     assert [await store.backend.get(k) is not None for k in keys.values()] == [True] * 3  # nothing written
+    assert sys.modules[hook_module].dry == [True] * 3  # the hook was told (its own writes can wait)
 
     code, out, err = await cli(capsys, *base, "--ttl", "600")
     assert (code, err) == (0, "")
@@ -202,12 +222,45 @@ async def test_reconcile_runs_the_hook(
     assert f"released    {namespace} / - / gone-1  released; the next retry runs it" in out
     assert f"unresolved  {namespace} / - / unknown-1  outcome still unknown" in out
     assert out.endswith("examined 3: completed 1, released 1, unresolved 1, skipped 0, errors 0\n")
+    assert sys.modules[hook_module].dry[3:] == [False] * 3  # a real run is not one
     paid = await store.backend.get(keys["paid-1"])
     assert paid is not None and paid.state == COMPLETED and paid.response == FOUND
     assert await store.backend.get(keys["gone-1"]) is None
 
     code, doc = await cli_json(capsys, *store.args, "inspect", "paid-1", "--namespace", namespace)
     assert code == 0 and doc["response"]["status"] == 200 and iso(doc["expires_at"]) < time.time() + 700
+
+
+async def test_reconcile_seals_resolved_answers_with_the_apps_transform(
+    store: Store, namespace: str, hook_module: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--transform` seals what `reconcile` stores as the app seals it; without it, the answer is stored
+    in clear and marked so (the app's transform replays it as stored)."""
+    sealed_key, clear_key = (
+        RecordKey.build(namespace, None, "paid-sealed"),
+        RecordKey.build(namespace, None, "paid-clear"),
+    )
+    await stuck(store.backend, sealed_key)
+    await asyncio.sleep(0.25)
+    base = [*store.args, "reconcile", "--hook", f"{hook_module}:resolve", "--older-than", "0", "--namespace", namespace]
+    code, doc = await cli_json(capsys, *base, "--ttl", "600", "--transform", f"{hook_module}:sealing")
+    assert code == 0 and doc["completed"] == 1
+    record = await store.backend.get(sealed_key)
+    assert record is not None and record.response is not None and record.response.sealed
+    assert record.response.body != FOUND.body and b"ch_from_provider" not in record.response.body
+    assert unseal(sys.modules[hook_module].sealing, record.response) == FOUND
+    code, doc = await cli_json(capsys, *store.args, "inspect", "paid-sealed", "--namespace", namespace)
+    assert code == 0 and doc["response"]["sealed"] is True
+
+    await stuck(store.backend, clear_key)
+    await asyncio.sleep(0.25)
+    code, doc = await cli_json(capsys, *base, "--ttl", "600")
+    assert code == 0 and doc["completed"] == 1
+    record = await store.backend.get(clear_key)
+    assert record is not None and record.response == FOUND and not record.response.sealed
+
+    code, out, err = await cli(capsys, *base, "--transform", f"{hook_module}:not_a_function")
+    assert code == 2 and "has no store(response) and load(response) methods" in err and out == ""
 
 
 async def test_reconcile_with_a_failing_hook_exits_1_without_a_traceback(
@@ -327,6 +380,39 @@ async def test_unreachable_store_exits_3_quickly(scheme: str, capsys: pytest.Cap
     assert code == 3 and out == ""
     assert err.startswith("idem-asgi: error: store unreachable: ") and err.count("\n") == 1
     assert "Traceback" not in err
+
+
+@pytest.mark.redis
+async def test_an_unreachable_sentinel_is_one_short_line(capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"redis+sentinel://127.0.0.1:{free_port()},127.0.0.1:{free_port()}/mymaster"
+    code, out, err = await cli(capsys, "--backend", url, "--timeout", "2", "stale")
+    assert code == 3 and out == ""
+    assert err == (
+        "idem-asgi: error: store unreachable: redis unavailable: No master found for 'mymaster' "
+        "(no sentinel answered, or none knows its primary)\n"
+    )
+
+
+@pytest.mark.postgres
+async def test_migrate_as_a_role_that_may_not_alter_the_table_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    require("postgres", POSTGRES_DSN)
+    name = uuid.uuid4().hex[:12]
+    role, table = f"idem_app_{name}", f"idem_cli_owned_{name}"
+    admin = await asyncpg.connect(POSTGRES_DSN)
+    try:
+        await admin.execute(f"CREATE ROLE {role} LOGIN")
+        code, out, _ = await cli(capsys, "--backend", POSTGRES_DSN, "--table", table, "migrate")
+        assert (code, out) == (0, f"schema ready: table {table}\n")  # the owner: nothing more to say
+        await admin.execute(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {table} TO {role}")
+        as_app = POSTGRES_DSN.replace("postgres@", f"{role}@", 1)
+        code, out, _ = await cli(capsys, "--backend", as_app, "--table", table, "migrate")
+        assert code == 0 and "may not alter it: run migrate as its owner" in out, out
+        code, doc = await cli_json(capsys, "--backend", as_app, "--table", table, "migrate")
+        assert code == 0 and doc["may_alter"] is False
+    finally:
+        await admin.execute(f"DROP TABLE IF EXISTS {table}")
+        await admin.execute(f"DROP ROLE IF EXISTS {role}")
+        await admin.close()
 
 
 @pytest.mark.postgres

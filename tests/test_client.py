@@ -28,6 +28,7 @@ from idem_asgi._types import Receive, Scope, Send
 from idem_asgi.backends import Backend, MemoryBackend
 from idem_asgi.client import IdempotentRetrySyncTransport, IdempotentRetryTransport, was_replayed
 from idem_asgi.errors import BackendUnavailable
+from idem_asgi.problems import DEFAULT_PROBLEM_BASE
 from idem_asgi.records import ClaimResult, RecordKey
 from tests.support.asgi import read_body
 from tests.support.faultproxy import FaultProxy
@@ -52,7 +53,9 @@ class Shop:
     `/slow` after 0.5 s, `/hang` after 30 s, `/broken` always 503 from the app itself.
     """
 
-    def __init__(self, backend: Backend | None = None, *, lease: float = 30) -> None:
+    def __init__(
+        self, backend: Backend | None = None, *, lease: float = 30, problem_base: str = DEFAULT_PROBLEM_BASE
+    ) -> None:
         self.backend = backend if backend is not None else MemoryBackend()
         self.runs: Counter[str | None] = Counter()
         self.seen: list[tuple[str, str | None]] = []  # (path, key) of every request that reached the server
@@ -61,6 +64,7 @@ class Shop:
             self._handler,
             backend=self.backend,
             routes=[RoutePolicy("/*", methods=["POST", "PATCH"], single_tenant=True, lease=lease, retry_after=1)],
+            problem_base=problem_base,
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -222,6 +226,49 @@ async def test_in_progress_409_waits_for_retry_after_then_gets_the_replay() -> N
     assert repeat.content == first.content
 
 
+# (b) behind the problem base of the API's own docs (which the docs encourage), a 409 in progress is still
+# retried: the client reads the slug after the base, whatever the base is.
+@pytest.mark.parametrize("base", ["https://api.example.com/problems/", "https://docs.example.com/errors.html#"])
+async def test_in_progress_409_is_retried_behind_a_custom_problem_base(base: str) -> None:
+    shop = Shop(problem_base=base)
+    async with InProcess(shop) as c:
+        headers = {"Idempotency-Key": "checkout-base"}
+
+        async def second() -> httpx.Response:
+            await asyncio.sleep(0.15)
+            return await c.client.post("/slow", json={"amount": 5}, headers=headers)
+
+        first, repeat = await asyncio.gather(c.client.post("/slow", json={"amount": 5}, headers=headers), second())
+    await assert_first_answer(shop, first, replayed=False)
+    await assert_first_answer(shop, repeat, replayed=True)
+    assert repeat.extensions["idempotency_attempts"] == 2  # 409 in progress (under `base`), then the replay
+    assert repeat.content == first.content
+
+
+@pytest.mark.parametrize(
+    ("problem_type", "retried"),
+    [
+        ("https://api.example.com/problems/request-in-progress", True),
+        ("https://docs.example.com/errors.html#request-in-progress", True),
+        ("/problems/request-in-progress", True),  # a relative reference (RFC 9457 allows one)
+        ("#request-in-progress", True),
+        ("urn:idem-asgi:problem:request-in-progress", True),  # 0.1.0's form
+        ("https://api.example.com/problems/outcome-unknown", False),
+        ("https://api.example.com/problems/request-in-progress-elsewhere", False),
+        ("https://api.example.com/problems/", False),
+    ],
+)
+async def test_the_in_progress_slug_is_read_after_any_problem_base(problem_type: str, retried: bool) -> None:
+    answers = [
+        httpx.Response(409, json={"type": problem_type, "status": 409}, headers={"retry-after": "0"}),
+        httpx.Response(201, json={"charge": "ch_1"}),
+    ]
+    transport = IdempotentRetryTransport(httpx.MockTransport(lambda request: answers.pop(0)), **FAST)
+    async with httpx.AsyncClient(transport=transport, base_url="http://shop.test") as client:
+        r = await client.post("/payments", json={"amount": 5})
+    assert (r.status_code, r.extensions["idempotency_attempts"]) == ((201, 2) if retried else (409, 1))
+
+
 # (b) the client's attempt times out while the handler still runs; the retry meets 409, then the replay
 async def test_timeout_while_running_then_409_then_replay() -> None:
     shop = Shop()
@@ -258,9 +305,7 @@ async def test_422_fingerprint_mismatch_is_never_retried() -> None:
         other = await c.client.post("/payments", json={"amount": 2}, headers=headers)
     assert first.status_code == 201
     assert other.status_code == 422
-    assert (
-        other.json()["type"] == "https://github.com/idem-asgi/idem-asgi/blob/main/docs/problems.md#fingerprint-mismatch"
-    )
+    assert other.json()["type"] == "urn:idem-asgi:problem:fingerprint-mismatch"
     assert other.extensions["idempotency_attempts"] == 1
     assert shop.keys_seen("/payments") == ["k-422", "k-422"]  # one attempt each
     assert shop.runs["k-422"] == 1
@@ -286,7 +331,7 @@ async def test_outcome_unknown_409_is_never_retried() -> None:
     async with InProcess(shop) as c:
         r = await c.client.post("/hang", content=b"x", headers=headers)
     assert r.status_code == 409
-    assert r.json()["type"] == "https://github.com/idem-asgi/idem-asgi/blob/main/docs/problems.md#outcome-unknown"
+    assert r.json()["type"] == "urn:idem-asgi:problem:outcome-unknown"
     assert r.extensions["idempotency_attempts"] == 1
     assert shop.runs["k-unknown"] == 1
 
@@ -353,7 +398,7 @@ async def test_retry_after_beyond_the_deadline_gives_up_at_once() -> None:
         r = await c.client.post("/payments", json={"amount": 1})
         elapsed = time.monotonic() - start
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
-    assert r.json()["type"] == "https://github.com/idem-asgi/idem-asgi/blob/main/docs/problems.md#store-unavailable"
+    assert r.json()["type"] == "urn:idem-asgi:problem:store-unavailable"
     assert r.extensions["idempotency_attempts"] == 1
     assert elapsed < 0.5 + SLACK
 

@@ -226,3 +226,24 @@ async def test_a_duplicate_of_a_slow_message_waits_for_it_instead_of_being_dead_
     assert deliveries == 2, "each copy delivered once"
     assert await rig.counts(["pay-slow"]) == [1]
     assert await rig.depth(rig.dlq) == 0
+
+
+async def test_a_result_that_cannot_be_stored_is_dead_lettered_after_one_effect(rig: Rig) -> None:
+    # Handed back, every redelivery would run the effect again (x-delivery-limit 3: 4 effects).
+    async def handle(message: Any) -> object:
+        await rig.effects.incr(rig.counter + message.message_id)
+        return object()  # msgspec cannot encode it: the effect happened, the result cannot be stored
+
+    channel, store = await consumer(rig, handle)
+    await rig.publish("pay-opaque")
+    await rig.publish("pay-opaque")  # a duplicate, as a lost ack would bring
+
+    async def both_dead() -> bool:
+        return await rig.depth(rig.dlq) == 2
+
+    await until(both_dead, 30)
+    await asyncio.sleep(0.3)  # a redelivery would show now
+    await channel.close()
+    await store.aclose()
+    assert await rig.counts(["pay-opaque"]) == [1]
+    assert await rig.depth(rig.queue) == 0

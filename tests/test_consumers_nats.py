@@ -321,6 +321,26 @@ async def test_a_handler_that_failed_after_its_effect_is_dead_lettered_never_run
     assert await rig.counts(["pay-unknown"]) == [1]
 
 
+async def test_a_result_that_cannot_be_stored_is_terminated_after_one_effect(rig: Rig) -> None:
+    # Handed back, every redelivery would run the effect again (max_deliver 3: 3 effects).
+    async def handle(msg: Any) -> object:
+        await rig.effects.incr(rig.counter + msg.headers["Nats-Msg-Id"])
+        return object()  # msgspec cannot encode it: the effect happened, the result cannot be stored
+
+    async with Consumer(rig, handle) as only:
+        await rig.publish({"Nats-Msg-Id": "pay-opaque"})
+
+        async def dead() -> bool:
+            return len(await rig.dead_letters()) == 1
+
+        await until(dead, 15)
+        await asyncio.sleep(ACK_WAIT + 0.5)  # a redelivery would show now
+    (letter,) = await rig.dead_letters()
+    assert letter["type"] == "io.nats.jetstream.advisory.v1.terminated"
+    assert only.deliveries == [("pay-opaque", 1)]
+    assert await rig.counts(["pay-opaque"]) == [1]
+
+
 async def test_a_consumer_killed_inside_its_handler_leaves_the_message_dead_lettered_not_rerun(rig: Rig) -> None:
     await kill_a_consumer_on(rig, "pay-midway", IDEM_DIE_IN_HANDLER="1", IDEM_LEASE="1")
     ran: list[str] = []

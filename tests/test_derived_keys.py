@@ -98,7 +98,7 @@ async def test_missing_intent_field_is_400_when_required() -> None:
         r = await c.post("/bookings", json={"user": "u1"})
         not_json = await c.post("/bookings", content=b"user=u1")
     assert r.status_code == not_json.status_code == 400
-    assert r.json()["type"] == "https://github.com/idem-asgi/idem-asgi/blob/main/docs/problems.md#key-required"
+    assert r.json()["type"] == "urn:idem-asgi:problem:key-required"
     assert counts["/bookings"] == 0
 
 

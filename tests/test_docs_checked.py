@@ -151,3 +151,18 @@ async def test_every_readme_snippet_runs_as_printed(line: int, code: str) -> Non
     for value in namespace.values():
         if isinstance(value, Backend) and not isinstance(value, type):
             await value.aclose()
+
+
+def test_the_postgres_pages_ddl_is_what_migrate_prints(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/postgres.md shows the schema `idem-asgi migrate --print` prints, every column the code
+    creates (a column added to the DDL without the page fails here: paste the command's output)."""
+    from idem_asgi import cli
+
+    page = (ROOT / "docs" / "postgres.md").read_text()
+    found = re.search(r"```bash\n(idem-asgi migrate --print[^\n]*)\n```\n\n```sql\n(.*?)```", page, re.S)
+    assert found is not None, "docs/postgres.md: the migrate --print command and its sql block"
+    monkeypatch.delenv("IDEM_BACKEND_URL", raising=False)
+    assert cli.main(found.group(1).split()[1:]) == 0
+    assert found.group(2) == capsys.readouterr().out

@@ -34,7 +34,7 @@ from tests.support.snippets import bound_names, compile_snippet, python_blocks, 
 
 AMQP = "amqp://guest:guest@127.0.0.1:5672/"
 NATS = "nats://127.0.0.1:4222"
-PAGES = ["client.md", "jobs.md", "operations.md", "postgres.md", "redis.md", "testing.md", "webhooks.md"]
+PAGES = ["client.md", "jobs.md", "operations.md", "postgres.md", "problems.md", "redis.md", "testing.md", "webhooks.md"]
 HOSTS = {
     "redis://localhost:6379/0": REDIS_URL,
     "postgresql://app@db.internal:5432/shop": POSTGRES_DSN,
@@ -74,6 +74,9 @@ class FakeProvider:
 
     async def find_charge(self, *, idempotency_key: str) -> SimpleNamespace | None:
         return self.charges.get(idempotency_key)
+
+    async def recent_idempotency_keys(self) -> list[str]:
+        return list(self.charges)
 
     async def find_by_key(self, key: str) -> SimpleNamespace | None:
         return self.charges.get(key)

@@ -489,7 +489,7 @@ async def test_a_scoped_route_never_falls_back_to_unscoped(backend: Backend, nam
     assert first.status_code == 201 and counts["charges"] == 1
     for answer in (no_tenant, empty):
         doc = assert_problem(answer, problems.SCOPE_REQUIRED)
-        assert doc["type"] == "https://github.com/idem-asgi/idem-asgi/blob/main/docs/problems.md#scope-required"
+        assert doc["type"] == "urn:idem-asgi:problem:scope-required"
 
 
 async def test_anonymous_callers_get_their_own_key_space_when_the_route_allows_it(

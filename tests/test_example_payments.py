@@ -28,7 +28,7 @@ from idem_asgi.client import IdempotentRetryTransport, was_replayed
 pytestmark = pytest.mark.memory
 
 MERCHANT = {"X-Merchant-Id": "m_acme"}
-PROBLEM = "https://github.com/idem-asgi/idem-asgi/blob/main/docs/problems.md#"
+PROBLEM = "urn:idem-asgi:problem:"
 
 
 def key() -> dict[str, str]:

@@ -62,7 +62,7 @@ async def test_missing_required_key_is_400(app: App) -> None:
     r = await app.post("/payments", json={})
     assert r.status_code == 400
     assert r.headers["content-type"] == "application/problem+json"
-    assert r.json()["type"] == "https://github.com/idem-asgi/idem-asgi/blob/main/docs/problems.md#key-required"
+    assert r.json()["type"] == "urn:idem-asgi:problem:key-required"
     assert app.counts["payments"] == 0
 
 

@@ -4,6 +4,7 @@ and Postgres keep the namespace and the key's digest only (unless `store_keys=Tr
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator
 
@@ -101,6 +102,7 @@ async def test_migrate_rewrites_older_records_and_they_are_still_found(
     assert isinstance(claimed, Claimed) and await raw.complete(done, claimed.token, RESPONSE, ttl=600)
     held = await raw.claim(running, b"fp2", lease=30, ttl=600)
     assert isinstance(held, Claimed)
+    await raw.forget_raw_keys()  # type: ignore[attr-defined]  # ... which recorded nothing about the form it used (0.1.0)
 
     assert await run([*args, "--json", "migrate"]) == 0
     out = capsys.readouterr().out
@@ -126,3 +128,68 @@ async def test_migrate_rewrites_older_records_and_they_are_still_found(
     # Running migrate again changes nothing.
     assert await run([*args, "--json", "migrate"]) == 0
     assert '"keys_hashed": 0' in capsys.readouterr().out
+
+
+async def test_plain_migrate_keeps_the_raw_keys_an_app_with_store_keys_looks_up(
+    kind: str, stores: tuple[Backend, Backend, list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`idem-asgi migrate` at a deploy, without `--store-keys`, rewrote the rows of a `store_keys=True`
+    app to the digest form it does not look up: its next retry ran again. It now follows the store."""
+    _, raw, args = stores
+    key = RecordKey.build(f"t-{uuid.uuid4().hex}", SECRET_SCOPE, SECRET_KEY)
+    claimed = await raw.claim(key, b"fp", lease=30, ttl=600)
+    assert isinstance(claimed, Claimed) and await raw.complete(key, claimed.token, RESPONSE, ttl=600)
+    assert await run([*args, "--json", "migrate"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["store_keys"], doc["keys_hashed"]) == (True, 0), doc
+    assert SECRET_KEY.encode() in await at_rest(kind, raw, key)  # still raw, as the app keeps it
+    replay = await raw.claim(key, b"fp", lease=30, ttl=600)
+    assert isinstance(replay, Existing) and replay.record.response == RESPONSE
+
+
+async def test_migrate_no_store_keys_hashes_them_once_those_workers_stopped(
+    kind: str, stores: tuple[Backend, Backend, list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The way from `store_keys=True` to the default: stop those workers, `migrate --no-store-keys`, start
+    the new ones; the new app finds every record (and a later plain migrate changes nothing)."""
+    hashed, raw, args = stores
+    key = RecordKey.build(f"t-{uuid.uuid4().hex}", SECRET_SCOPE, SECRET_KEY)
+    claimed = await raw.claim(key, b"fp", lease=30, ttl=600)
+    assert isinstance(claimed, Claimed) and await raw.complete(key, claimed.token, RESPONSE, ttl=600)
+    assert await run([*args, "--json", "migrate", "--no-store-keys"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["store_keys"] is False and doc["keys_hashed"] == 1, doc
+    assert await raw.raw_keys_recorded() is None  # type: ignore[attr-defined]
+    assert SECRET_KEY.encode() not in await at_rest(kind, hashed, key)
+    replay = await hashed.claim(key, b"fp", lease=30, ttl=600)
+    assert isinstance(replay, Existing) and replay.record.response == RESPONSE
+
+
+async def test_rewriting_stops_where_an_app_keeping_raw_keys_is_recorded(
+    kind: str, stores: tuple[Backend, Backend, list[str]]
+) -> None:
+    """`hash_stored_keys()` itself (not only the CLI) rewrites nothing while such an app is recorded: an
+    app starting during a `migrate` is never hidden from its own rows."""
+    _, raw, _ = stores
+    key = RecordKey.build(f"t-{uuid.uuid4().hex}", SECRET_SCOPE, SECRET_KEY)
+    claimed = await raw.claim(key, b"fp", lease=30, ttl=600)  # records raw keys before writing
+    assert isinstance(claimed, Claimed)
+    assert await raw.hash_stored_keys() == (0, 0)  # type: ignore[attr-defined]
+    assert SECRET_KEY.encode() in await at_rest(kind, raw, key)
+    busy = await raw.claim(key, b"fp", lease=30, ttl=600)
+    assert isinstance(busy, Existing) and busy.record.token == claimed.token
+
+
+async def test_inspect_finds_a_record_in_either_form_unless_told(
+    kind: str, stores: tuple[Backend, Backend, list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One table, an app of each kind (its record in its own form): `inspect` without a flag finds both."""
+    hashed, raw, args = stores
+    namespace = f"t-{uuid.uuid4().hex}"
+    for store, name in ((raw, "kept-raw"), (hashed, "kept-hashed")):
+        key = RecordKey.build(namespace, None, name)
+        claimed = await store.claim(key, b"fp", lease=30, ttl=600)
+        assert isinstance(claimed, Claimed) and await store.complete(key, claimed.token, RESPONSE, ttl=600)
+    for name in ("kept-raw", "kept-hashed"):
+        assert await run([*args, "--json", "inspect", name, "--namespace", namespace]) == 0, name
+        assert json.loads(capsys.readouterr().out)["response"]["status"] == 201

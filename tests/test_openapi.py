@@ -119,3 +119,35 @@ def test_ttl_expiry_header_and_problem_links_are_documented() -> None:
     assert "Link" in pay["responses"]["409"]["headers"]
     types = schema["components"]["schemas"]["IdempotencyProblem"]["properties"]["type"]["enum"]
     assert "https://api.example.com/problems#fingerprint-mismatch" in types
+
+
+@pytest.mark.parametrize(
+    ("base", "link", "form", "first"),
+    [
+        (None, False, "uri", "urn:idem-asgi:problem:key-required"),
+        ("/problems/", True, "uri-reference", "/problems/key-required"),
+    ],
+)
+def test_problem_types_are_documented_as_what_the_base_makes_them(
+    base: str | None, link: bool, form: str, first: str
+) -> None:
+    app = FastAPI()
+    extra: dict[str, Any] = {} if base is None else {"problem_base": base}
+    app.add_middleware(
+        IdempotencyMiddleware,
+        backend=MemoryBackend(),
+        routes=[RoutePolicy("/payments", methods=["POST"], single_tenant=True)],
+        **extra,
+    )
+
+    @app.post("/payments", status_code=201)
+    async def create_payment() -> dict[str, Any]:
+        return {}
+
+    add_openapi(app)
+    schema = app.openapi()
+    responses = schema["paths"]["/payments"]["post"]["responses"]
+    assert ("Link" in responses["400"].get("headers", {})) is link  # no Link documented to a page that is not there
+    kind = schema["components"]["schemas"]["IdempotencyProblem"]["properties"]["type"]
+    assert kind["format"] == form and kind["enum"][0] == first
+    assert not any(t.startswith(("http://", "https://")) for t in kind["enum"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal
 
 import httpx
@@ -16,14 +16,27 @@ from idem_asgi._types import Receive, Scope, Send
 from idem_asgi.backends.postgres import PostgresBackend
 from idem_asgi.errors import ClaimLost
 from idem_asgi.records import Claimed, Record, RecordKey
-from tests.support.stores import make_backend
+from tests.support.pgbouncer import pgbouncer
+from tests.support.stores import TEST_TABLE, make_backend
 
 pytestmark = pytest.mark.postgres
 
 
-@pytest.fixture
-async def pg() -> AsyncIterator[PostgresBackend]:
-    backend = await make_backend("postgres", pool=4)
+@pytest.fixture(scope="module")
+def bouncer() -> Iterator[str]:
+    """A PgBouncer in transaction mode in front of the test database, for this module."""
+    with pgbouncer("transaction") as dsn:
+        yield dsn
+
+
+@pytest.fixture(params=["direct", "pgbouncer"])
+async def pg(request: pytest.FixtureRequest) -> AsyncIterator[PostgresBackend]:
+    """The test database, directly and through a transaction pooler (the plain URL either way)."""
+    if request.param == "direct":
+        backend = await make_backend("postgres", pool=4)
+    else:
+        backend = PostgresBackend.from_dsn(request.getfixturevalue("bouncer"), table=TEST_TABLE, max_size=4)
+        await backend.setup()
     try:
         yield backend
     finally:

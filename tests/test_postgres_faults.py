@@ -248,7 +248,7 @@ async def timed_posts(rig: Rig, n: int) -> list[tuple[float, httpx.Response]]:
 def assert_unavailable(results: list[tuple[float, httpx.Response]], bound: float) -> None:
     for took, r in results:
         assert r.status_code == 503, r.text
-        assert r.json()["type"] == "https://github.com/idem-asgi/idem-asgi/blob/main/docs/problems.md#store-unavailable"
+        assert r.json()["type"] == "urn:idem-asgi:problem:store-unavailable"
         assert r.headers["retry-after"] == "1"
         assert took < bound, f"503 took {took:.2f}s"
 

@@ -15,7 +15,16 @@ from idem_asgi import problems
 from idem_asgi.backends import Backend
 from idem_asgi.backends.redis import RedisBackend
 from idem_asgi.context import held_claim
-from idem_asgi.reconcile import ReconcilableBackend, ReconcileReport, Resolution, reconcile, resolver_from_recover
+from idem_asgi.reconcile import (
+    ReconcilableBackend,
+    ReconcileItem,
+    ReconcileReport,
+    Resolution,
+    is_dry_run,
+    key_among,
+    reconcile,
+    resolver_from_recover,
+)
 from idem_asgi.records import COMPLETED, IN_PROGRESS, Claimed, Record, RecordKey, StaleRecord, StoredResponse
 from tests.support.asgi import drive, http_scope
 from tests.support.charges import BODY, KEY, LEASE, Payments, crash_first_request, post, protect, rk
@@ -184,6 +193,52 @@ async def test_dry_run_asks_but_writes_nothing(backend: Backend, namespace: str)
     assert report.dry_run and counts(report) == (1, 1, 0, 0, 0, 0)
     assert report.items[0].detail == "dry run: would store a 201 answer"
     assert await backend.get(rk(namespace)) == before
+
+
+async def test_a_dry_run_tells_the_resolver_it_is_one(backend: Backend, namespace: str) -> None:
+    await stuck_claim(backend, namespace)
+    told: list[bool] = []
+
+    async def resolve(stale: StaleRecord) -> Resolution:
+        told.append(is_dry_run())
+        return FOUND
+
+    await reconcile(store(backend), resolve, older_than=0, namespace=namespace, dry_run=True)
+    assert told == [True] and not is_dry_run()  # told inside the run only
+    await reconcile(store(backend), resolve, older_than=0, namespace=namespace)
+    assert told == [True, False]
+
+
+async def test_a_resolver_finds_a_digest_only_claim_by_its_key_among_candidates(
+    backend: Backend, namespace: str
+) -> None:
+    key = RecordKey.build(namespace, "tenant-42", "pay-7f3a")
+    assert isinstance(await backend.claim(key, b"fp", lease=0.05, ttl=DAY), Claimed)
+    await asyncio.sleep(0.12)
+    (listed,) = await store(backend).stale(0, 10, namespace=namespace)
+    found: list[tuple[str, str] | None] = []
+
+    async def resolve(stale: StaleRecord) -> Resolution:
+        found.append(key_among(stale, [("tenant-1", "pay-7f3a"), (None, "pay-7f3a"), ("tenant-42", "pay-7f3a")]))
+        return FOUND if found[-1] == ("tenant-42", "pay-7f3a") else None
+
+    report = await reconcile(store(backend), resolve, older_than=0, namespace=namespace)
+    assert found == [("tenant-42", "pay-7f3a")] and counts(report) == (1, 1, 0, 0, 0, 0)
+    if listed.key.hidden:  # the default on Redis and Postgres: only the digest is stored
+        assert (listed.key.scope, listed.key.key) == ("?", "?")
+        assert key_among(listed, [("tenant-42", "pay-other")]) is None
+    else:  # the memory store keeps the key itself
+        assert key_among(listed, []) == ("tenant-42", "pay-7f3a")
+    record = await backend.get(key)
+    assert record is not None and record.state == COMPLETED
+
+
+def test_reconcile_prints_a_digest_only_claim_as_stale_does() -> None:
+    from idem_asgi._cli_output import item_label, key_label
+
+    key = RecordKey.hashed("idem", RecordKey.build("idem", "t", "k").digest)
+    item = ReconcileItem(key.namespace, key.scope, key.key, 1, 0.0, "completed", "", key.digest)
+    assert item_label(item) == key_label(key) == f"idem / sha256:{key.digest[:16]}"  # not "? / ?"
 
 
 async def test_older_than_spares_recently_expired_leases(backend: Backend, namespace: str) -> None:

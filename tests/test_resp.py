@@ -12,6 +12,7 @@ import signal
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -96,8 +97,10 @@ async def test_a_full_pool_waits_then_times_out(throwaway: RedisProcess) -> None
 
 def test_from_url_refuses_what_it_does_not_support() -> None:
     assert RespPool.from_url("rediss://h:6380/0", timeout=1, options={}) is None
-    assert RespPool.from_url("redis://h/0?socket_timeout=3", timeout=1, options={}) is None
+    assert RespPool.from_url("redis://h/0?protocol=3", timeout=1, options={}) is None
     assert RespPool.from_url("redis://h/0", timeout=1, options={"ssl_ca_certs": "x"}) is None
+    timed = lean("redis://h/0?socket_timeout=3&socket_connect_timeout=0.5", timeout=1)
+    assert (timed.timeout, timed.connect_timeout) == (3, 0.5)  # redis-py's socket timeouts, as it reads them
     conn = lean("redis://alice:s%40cret@example:7000/5")
     assert (conn.host, conn.port, conn.username, conn.password, conn.db) == ("example", 7000, "alice", "s@cret", 5)
     conn = lean("unix:///run/redis.sock?db=3", password="pw")
@@ -267,3 +270,60 @@ async def test_aclose_fails_pending_calls_and_refuses_new_ones(throwaway: RedisP
         await slow
     with pytest.raises(redis_errors.ConnectionError):
         await conn.execute("PING")
+
+
+async def _parked(conn: RespPool, call: asyncio.Future[Any]) -> None:
+    """Until `call` waits in the queue of a pool whose connections are all taken."""
+    for _ in range(1000):
+        if conn._waiters:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"the call never waited for a connection: {call!r}")
+
+
+async def test_a_waiter_cancelled_in_an_exhausted_pool_is_cancelled_not_timed_out() -> None:
+    """Cancellation propagates as redis-py's pool lets it (it was reported as `no free redis connection`)."""
+    require("redis", REDIS_URL)
+    conn = RespPool.from_url(REDIS_URL, timeout=5.0, max_connections=1)
+    assert conn is not None
+    try:
+        assert await conn.execute("PING") == b"PONG"
+        held = conn._idle.pop()  # as a call does: it holds the only connection
+        waiter = asyncio.ensure_future(conn.execute("PING"))
+        await _parked(conn, waiter)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert waiter.cancelled()
+        conn._release(held)  # nobody waits any more: it goes back to the idle list, and serves
+        assert not conn._waiters and conn._idle == [held]
+        assert await conn.execute("PING") == b"PONG" and conn.connections == 1
+    finally:
+        await conn.aclose()
+
+
+async def test_a_cancelled_request_waiting_for_a_redis_connection_never_runs_fail_open() -> None:
+    """Under `fail_open`, a request cancelled (client gone, server shutting down) while its claim waits
+    for a pooled connection is cancelled: the app is never run unclaimed."""
+    require("redis", REDIS_URL)
+    from idem_asgi import IdempotencyMiddleware, RoutePolicy
+    from tests.support.pay import Payments, post
+
+    app = Payments()
+    async with RedisBackend.from_url(REDIS_URL, prefix=f"idem-test:{uuid.uuid4().hex}:", max_connections=1) as backend:
+        mw = IdempotencyMiddleware(
+            app, backend=backend, routes=[RoutePolicy("/pay", single_tenant=True)], on_store_error="fail_open"
+        )
+        pool = backend._lean
+        assert pool is not None
+        assert (await post(mw, "warm-up")).status == 201
+        held = pool._idle.pop()
+        request = asyncio.ensure_future(post(mw, "cancelled-while-waiting"))
+        await _parked(pool, request)
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        pool._release(held)
+        assert app.runs["cancelled-while-waiting"] == 0
+        retry = await post(mw, "cancelled-while-waiting")  # nothing ran, nothing is held: the retry runs it
+        assert retry.status == 201 and app.runs["cancelled-while-waiting"] == 1

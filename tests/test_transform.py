@@ -15,7 +15,7 @@ from idem_asgi import IdempotencyMiddleware, RoutePolicy
 from idem_asgi.backends import Backend
 from idem_asgi.errors import ConfigurationError
 from idem_asgi.problems import STORE_MISCONFIGURED
-from idem_asgi.transform import EncryptBody
+from idem_asgi.transform import EncryptBody, unseal
 from tests.support.charges import post, rk
 from tests.support.problems import assert_problem
 
@@ -101,4 +101,4 @@ async def test_reconciled_answers_go_through_the_same_transform(backend: Backend
     assert report.completed == 1
     record = await backend.get(rk(namespace, key))
     assert record is not None and record.response is not None and CARD not in record.response.body
-    assert EncryptBody(fernet.encrypt, fernet.decrypt).load(record.response) == found
+    assert record.response.sealed and unseal(EncryptBody(fernet.encrypt, fernet.decrypt), record.response) == found

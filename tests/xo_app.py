@@ -78,7 +78,8 @@ async def pay(request: Request) -> JSONResponse:
 async def naive(request: Request) -> JSONResponse:
     body = await request.json()
     key = request.state.idempotency.key
-    conn = await asyncpg.connect(DSN, server_settings={"application_name": APP_NAME + "-naive"})
+    # (no statement cache: the DSN may be a transaction-mode PgBouncer's, and this connection is the app's own)
+    conn = await asyncpg.connect(DSN, statement_cache_size=0, server_settings={"application_name": APP_NAME + "-naive"})
     try:
         await conn.execute(
             f"INSERT INTO {LEDGER} (key, amount, pid) VALUES ($1, $2, $3)", key, body["amount"], os.getpid()

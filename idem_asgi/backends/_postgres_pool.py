@@ -18,11 +18,13 @@ from ..errors import BackendError, BackendMisconfigured, BackendUnavailable
 try:
     import asyncpg
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    from ..errors import MissingExtra
+    from ..errors import missing_extra
 
-    raise MissingExtra("PostgresBackend needs asyncpg: pip install 'idem-asgi[postgres]'") from exc
+    raise missing_extra("PostgresBackend needs asyncpg", "postgres") from exc
 
-from ._postgres_lean import LeanPool, broken_by  # after the check above: it needs asyncpg
+# after the check above: these need asyncpg
+from ._postgres_lean import LeanPool, broken_by
+from ._postgres_pooler import pooler_refusal
 
 # asyncpg raises asyncio.TimeoutError, which is the builtin TimeoutError only from Python 3.11.
 _TIMEOUT: Final = (TimeoutError, asyncio.TimeoutError)
@@ -55,6 +57,9 @@ _MISCONFIGURED: Final = (
 def wrapped(exc: BaseException, table: str = "idem_records") -> BackendError:
     """The library error for an asyncpg (or socket) error: misconfigured, unavailable, or another store error."""
     what = f"{type(exc).__name__}: {exc}"
+    refusal = pooler_refusal(exc)
+    if refusal is not None:
+        return refusal
     if isinstance(exc, asyncpg.ClientConfigurationError):
         return BackendMisconfigured(f"postgres: invalid DSN or connection option ({what})")
     if isinstance(exc, asyncpg.InsufficientPrivilegeError | asyncpg.UndefinedTableError | asyncpg.UndefinedColumnError):
@@ -79,6 +84,8 @@ class Runner:
     def __init__(self, timeout: float, table: str) -> None:
         self.timeout = timeout
         self.table = table
+        self.isolate = False
+        """Run each statement in a READ COMMITTED transaction: the sessions default to another level."""
         self._turns: Turns | None = None
         self._releasing: set[asyncio.Task[Any]] = set()
 
@@ -110,7 +117,7 @@ class Runner:
                 remaining = deadline - monotonic()
                 if remaining <= 0:
                     raise TimeoutError
-                return await getattr(conn, method)(sql, *args, timeout=remaining)
+                return await self._statement(conn, method, sql, args, remaining)
             except _TIMEOUT:
                 release = False
                 task = asyncio.get_running_loop().create_task(release_quietly(pool, conn, turns))
@@ -136,7 +143,7 @@ class Runner:
                     raise TimeoutError
                 conn = await pool.take(remaining)
             try:
-                result = await getattr(conn, method)(sql, *args, timeout=max(deadline - monotonic(), 0.001))
+                result = await self._statement(conn, method, sql, args, max(deadline - monotonic(), 0.001))
             except BaseException as exc:
                 pool.put(conn, broken=broken_by(exc))
                 raise
@@ -144,6 +151,12 @@ class Runner:
             return result
         except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
             raise wrapped(exc, self.table) from exc
+
+    def _statement(self, conn: Any, method: str, sql: str, args: tuple[Any, ...], timeout: float) -> Any:
+        """`conn.<method>(sql, *args)`, in a READ COMMITTED transaction when `isolate` says so."""
+        if not self.isolate:
+            return getattr(conn, method)(sql, *args, timeout=timeout)
+        return _read_committed(conn, method, sql, args, timeout)
 
     async def run_again(self, pool: Any, method: str, sql: str, *args: Any) -> tuple[Any, bool]:
         """Run a statement; after a broken connection, once more on a fresh one, within one deadline.
@@ -167,6 +180,11 @@ class Runner:
         """Wait for connections still being handed back after a timeout."""
         if self._releasing:
             await asyncio.gather(*self._releasing, return_exceptions=True)
+
+
+async def _read_committed(conn: Any, method: str, sql: str, args: tuple[Any, ...], timeout: float) -> Any:
+    async with conn.transaction(isolation="read_committed"):
+        return await getattr(conn, method)(sql, *args, timeout=timeout)
 
 
 async def release_quietly(pool: Any, conn: Any, turns: Turns) -> None:

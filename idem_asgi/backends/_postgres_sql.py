@@ -29,11 +29,13 @@ CREATE TABLE IF NOT EXISTS {table} (
     checkpoint  text,                            -- the last step the handler recorded (checkpoint())
     trailers    bytea,                           -- msgpack list of HTTP trailer pairs, NULL when none
     ttl         float8,                          -- seconds the record was claimed for (reconcile keeps that)
-    PRIMARY KEY (namespace, scope, key)
-);
+    sealed      boolean,                         -- the answer went through the app's transform (NULL: in clear)
+    PRIMARY KEY (namespace, scope, key)          -- (namespace '', key E'\\x1fstore_keys': the settings row of
+);                                               -- an app with store_keys=True; migrate keeps raw keys then)
 ALTER TABLE {table} ADD COLUMN IF NOT EXISTS checkpoint text;
 ALTER TABLE {table} ADD COLUMN IF NOT EXISTS trailers bytea;
 ALTER TABLE {table} ADD COLUMN IF NOT EXISTS ttl float8;
+ALTER TABLE {table} ADD COLUMN IF NOT EXISTS sealed boolean;
 CREATE INDEX IF NOT EXISTS {expires_index} ON {table} (expires_at);
 CREATE INDEX IF NOT EXISTS {inflight_index} ON {table} (lease_until) WHERE state <> 'c';
 """
@@ -41,7 +43,7 @@ CREATE INDEX IF NOT EXISTS {inflight_index} ON {table} (lease_until) WHERE state
 _COLUMNS: Final = (
     "state, fingerprint, token, extract(epoch from lease_until)::float8 AS lease_until, "
     "extract(epoch from expires_at)::float8 AS expires_at, status, headers, body, replayable, "
-    "extract(epoch from now())::float8 AS now, checkpoint, trailers, ttl"
+    "extract(epoch from now())::float8 AS now, checkpoint, trailers, ttl, sealed"
 )
 
 
@@ -87,7 +89,8 @@ class Statements:
         reset = """
         state = 'p', fingerprint = $4, token = $5, created_at = now(), ttl = $7::float8,
         lease_until = now() + $6::float8 * interval '1 second', expires_at = now() + $7::float8 * interval '1 second',
-        status = NULL, headers = NULL, body = NULL, replayable = NULL, checkpoint = NULL, trailers = NULL"""
+        status = NULL, headers = NULL, body = NULL, replayable = NULL, checkpoint = NULL, trailers = NULL,
+        sealed = NULL"""
         self.claim = f"""
 WITH cur AS (
     SELECT {_COLUMNS}, {free} AS free FROM {t} AS r WHERE namespace = $1 AND scope = $2 AND key = $3
@@ -103,14 +106,14 @@ WITH cur AS (
     WHERE namespace = $1 AND scope = $2 AND key = $3 AND EXISTS (SELECT 1 FROM cur WHERE free) AND {free}
     RETURNING true
 )
-SELECT true, NULL::"char", NULL::bytea, NULL::bigint, NULL::float8, NULL::float8,
-       NULL::integer, NULL::bytea, NULL::bytea, NULL::boolean, NULL::float8, NULL::text, NULL::bytea, NULL::float8
+SELECT true, NULL::"char", NULL::bytea, NULL::bigint, NULL::float8, NULL::float8, NULL::integer, NULL::bytea,
+       NULL::bytea, NULL::boolean, NULL::float8, NULL::text, NULL::bytea, NULL::float8, NULL::boolean
 FROM ins
 UNION ALL
-SELECT true, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM upd
+SELECT true, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM upd
 UNION ALL
 SELECT false, state, fingerprint, token, lease_until, expires_at, status, headers, body, replayable, now, checkpoint,
-       trailers, ttl
+       trailers, ttl, sealed
 FROM cur WHERE NOT free
 """
         # A takeover: the same update, of a held record whose lease of `$8` ended, never an insert. 'gone'
@@ -125,22 +128,22 @@ WITH cur AS (
     WHERE namespace = $1 AND scope = $2 AND key = $3 AND EXISTS (SELECT 1 FROM cur WHERE free) AND {held_free}
     RETURNING true
 )
-SELECT 'taken'::text, NULL::"char", NULL::bytea, NULL::bigint, NULL::float8, NULL::float8,
-       NULL::integer, NULL::bytea, NULL::bytea, NULL::boolean, NULL::float8, NULL::text, NULL::bytea, NULL::float8
+SELECT 'taken'::text, NULL::"char", NULL::bytea, NULL::bigint, NULL::float8, NULL::float8, NULL::integer,
+       NULL::bytea, NULL::bytea, NULL::boolean, NULL::float8, NULL::text, NULL::bytea, NULL::float8, NULL::boolean
 FROM upd
 UNION ALL
 SELECT 'held', state, fingerprint, token, lease_until, expires_at, status, headers, body, replayable, now, checkpoint,
-       trailers, ttl
+       trailers, ttl, sealed
 FROM cur WHERE live AND NOT free
 UNION ALL
-SELECT 'gone', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT 'gone', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 WHERE NOT EXISTS (SELECT 1 FROM cur WHERE live)
 """
         held = "namespace = $1 AND scope = $2 AND key = $3 AND token = $4"
         where = f"{held} AND state IN ('p', 'e')"
         self.complete = f"""
 UPDATE {t} SET state = 'c', status = $5, headers = $6, body = $7, replayable = $8, trailers = $10,
-    lease_until = now(), expires_at = now() + $9::float8 * interval '1 second'
+    sealed = $11, lease_until = now(), expires_at = now() + $9::float8 * interval '1 second'
 WHERE {where}"""
         # Never release a record whose effect committed ('e'): a retry must not run it again.
         self.release = f"DELETE FROM {t} WHERE {held} AND state = 'p'"

@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Final
 
 from redis import exceptions as redis_errors
+from redis.asyncio.sentinel import MasterNotFoundError
+from redis.sentinel import MasterNotFoundError as SyncMasterNotFoundError
 
 from ..errors import BackendError, BackendMisconfigured, BackendUnavailable
 
@@ -38,6 +40,11 @@ _AUTH_TEXT: Final = ("NOAUTH", "WRONGPASS", "Protocol error: unauthenticated")
 def wrapped(exc: Exception) -> BackendError:
     """The library error for a redis-py error: misconfigured, unavailable, or another store error."""
     what = f"{type(exc).__name__}: {exc}"
+    if isinstance(
+        exc, (MasterNotFoundError, SyncMasterNotFoundError)
+    ):  # its text goes on with the repr of every sentinel client
+        named = str(exc).split(" : ", 1)[0]  # "No master found for 'mymaster'"
+        return BackendUnavailable(f"redis unavailable: {named} (no sentinel answered, or none knows its primary)")
     if isinstance(exc, MISCONFIGURED) or (
         isinstance(exc, redis_errors.ResponseError) and any(t in str(exc) for t in _AUTH_TEXT)
     ):

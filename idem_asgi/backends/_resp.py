@@ -8,13 +8,15 @@ FIFO order (so a connection can carry pipelined calls; the pool gives each call 
 `RespPool`).
 
 Failure semantics follow redis-py with a socket timeout:
-- connect (and AUTH, SELECT) is bounded by `timeout`; a refused connect is a `ConnectionError`,
-  a slow one a `TimeoutError`; concurrent callers share one connect attempt;
+- connect (and AUTH, SELECT) is bounded by `connect_timeout` (redis-py's `socket_connect_timeout`);
+  a refused connect is a `ConnectionError`, a slow one a `TimeoutError`; concurrent callers share
+  one connect attempt;
 - a call not answered within `timeout` fails with `TimeoutError` and its connection is aborted
   (any other call pending on it fails with `TimeoutError` too: its reply is stuck behind the same
   stall). One lazy watchdog timer per connection checks the oldest call's deadline; no per-call
   timer and no `wait_for`;
-- a call whose caller is cancelled aborts its connection (as redis-py does);
+- a call whose caller is cancelled aborts its connection (as redis-py does), and a caller cancelled
+  while it waits for a pooled connection gets its `CancelledError`, never a timeout;
 - a lost connection fails every pending call with `ConnectionError`; the next call reconnects;
 - error replies are redis-py's exception classes (`NoScriptError`, `ResponseError`, ...).
 Retrying is the caller's business (`RedisBackend._call` retries once on `ConnectionError`).
@@ -26,15 +28,14 @@ import asyncio
 import collections
 import contextlib
 import hashlib
-from typing import Any, Final
-from urllib.parse import unquote, urlparse
+from typing import Any
+from urllib.parse import urlparse
 
 import hiredis
 from redis import exceptions as redis_errors
 from redis._parsers.base import BaseParser
 
-# from_url's keyword options (and URL query parameters) the lean connection understands.
-SUPPORTED_OPTIONS: Final = frozenset({"username", "password", "db"})
+from ._redis_url import lean_settings
 
 
 def _pack(args: tuple[Any, ...]) -> bytes:
@@ -187,6 +188,7 @@ class RespPool:
         password: str | None = None,
         db: int = 0,
         timeout: float = 2.0,
+        connect_timeout: float | None = None,
         max_connections: int = 256,
     ) -> None:
         self.host = host
@@ -196,6 +198,7 @@ class RespPool:
         self.password = password
         self.db = db
         self.timeout = timeout
+        self.connect_timeout = timeout if connect_timeout is None else connect_timeout
         self.max_connections = max_connections
         self._idle: list[_Protocol] = []
         self._all: set[_Protocol] = set()
@@ -207,76 +210,45 @@ class RespPool:
     def from_url(
         cls, url: str, *, timeout: float, max_connections: int = 256, options: dict[str, Any] | None = None
     ) -> RespPool | None:
-        """A pool for a `redis://` or `unix://` URL, or None when it needs more than we support."""
-        options = options or {}
-        parsed = urlparse(url)
-        if parsed.scheme not in ("redis", "unix"):
+        """A pool for a `redis://` or `unix://` URL (and `options`, as `redis.asyncio.Redis.from_url` takes
+        them), or None when it needs more than we support. redis-py parses both (see `_redis_url`)."""
+        from redis.asyncio.connection import ConnectionPool
+
+        if urlparse(url).scheme not in ("redis", "unix"):
             return None
-        query: dict[str, str] = {}
-        for part in filter(None, parsed.query.split("&")):
-            name, _, value = part.partition("=")
-            query[unquote(name)] = unquote(value)
-        if set(query) - {"db"} or set(options) - SUPPORTED_OPTIONS:
-            return None
-        username = options.get("username", unquote(parsed.username) if parsed.username else None)
-        password = options.get("password", unquote(parsed.password) if parsed.password else None)
-        db: Any = options.get("db", query.get("db"))
-        common: dict[str, Any] = {
-            "username": username,
-            "password": password,
-            "timeout": timeout,
-            "max_connections": max_connections,
-        }
-        if parsed.scheme == "unix":
-            if not parsed.path:
-                return None
-            return cls(path=unquote(parsed.path), db=int(db or 0), **common)
-        if db is None and parsed.path not in ("", "/"):
-            db = parsed.path.lstrip("/")
-        return cls(host=parsed.hostname or "localhost", port=parsed.port or 6379, db=int(db or 0), **common)
+        return cls._serving(ConnectionPool.from_url(url, **(options or {})), timeout, max_connections)
 
     @classmethod
     def from_client(cls, client: Any, *, timeout: float, max_connections: int = 256) -> RespPool | None:
         """A pool with the address and credentials of a user's `redis.asyncio.Redis`, or None when
         its connections need more than we support (TLS, RESP3, a credential provider, a client
-        name, a custom connection class or pool such as Sentinel's).
+        name, a custom connection class or pool such as Sentinel's: see `_redis_url.lean_settings`).
 
         The pool opens its own connections (at most `max_connections`, or the client pool's own
         limit if lower); the client itself is left untouched. Calls are bounded by the client's
-        `socket_timeout`, or by `timeout` when it has none.
+        `socket_timeout` (connects by its `socket_connect_timeout`), or by `timeout` when it has none.
         """
         import redis.asyncio as aioredis
-        from redis.asyncio.connection import (
-            BlockingConnectionPool,
-            Connection,
-            ConnectionPool,
-            UnixDomainSocketConnection,
-        )
+        from redis.asyncio.connection import BlockingConnectionPool, ConnectionPool
 
         pool = getattr(client, "connection_pool", None)
         if type(client) is not aioredis.Redis or type(pool) not in (ConnectionPool, BlockingConnectionPool):
             return None
-        assert pool is not None
-        kwargs = pool.connection_kwargs
-        plain = (
-            kwargs.get("credential_provider") is None
-            and kwargs.get("client_name") is None
-            and kwargs.get("protocol") in (None, 2, "2")
-            and kwargs.get("redis_connect_func") is None
-            and not kwargs.get("decode_responses")
-        )
-        if not plain or pool.connection_class not in (Connection, UnixDomainSocketConnection):
+        return cls._serving(pool, timeout, max_connections)
+
+    @classmethod
+    def _serving(cls, pool: Any, timeout: float, max_connections: int) -> RespPool | None:
+        settings = lean_settings(pool)
+        if settings is None:
             return None
-        common: dict[str, Any] = {
-            "username": kwargs.get("username"),
-            "password": kwargs.get("password"),
-            "db": int(kwargs.get("db") or 0),
-            "timeout": kwargs.get("socket_timeout") or timeout,
-            "max_connections": min(max_connections, pool.max_connections),
-        }
-        if pool.connection_class is UnixDomainSocketConnection:
-            return cls(path=kwargs["path"], **common)
-        return cls(host=kwargs.get("host", "localhost"), port=int(kwargs.get("port", 6379)), **common)
+        kwargs = pool.connection_kwargs
+        call = kwargs.get("socket_timeout") or timeout
+        return cls(
+            **settings,
+            timeout=call,
+            connect_timeout=kwargs.get("socket_connect_timeout") or call,
+            max_connections=min(max_connections, pool.max_connections),
+        )
 
     @property
     def connections(self) -> int:
@@ -357,14 +329,14 @@ class RespPool:
             self._waiters.append(waiter)
             try:
                 proto = await asyncio.wait_for(waiter, self.timeout)
-            except BaseException:
-                if waiter.done() and not waiter.cancelled():  # handed over as we gave up: pass it on
-                    self._release(waiter.result())
+            except BaseException as exc:
+                if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                    self._release(waiter.result())  # handed over as we gave up: pass it on
                 else:
                     waiter.cancel()
-                if self._closed:
-                    raise redis_errors.ConnectionError("connection pool closed by aclose()") from None
-                raise redis_errors.TimeoutError(f"no free redis connection within {self.timeout}s") from None
+                if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+                    raise redis_errors.TimeoutError(f"no free redis connection within {self.timeout}s") from None
+                raise  # our caller was cancelled (as redis-py's pool lets it be), or the pool closed
             if proto is not None:
                 return proto
         self._opening += 1
@@ -381,6 +353,7 @@ class RespPool:
     async def _connect(self) -> _Protocol:
         loop = asyncio.get_running_loop()
         timeout = self.timeout
+        connect_timeout = self.connect_timeout
         made: list[_Protocol] = []
 
         def factory() -> _Protocol:
@@ -401,12 +374,12 @@ class RespPool:
             return proto
 
         try:
-            proto = await asyncio.wait_for(handshake(), timeout)
+            proto = await asyncio.wait_for(handshake(), connect_timeout)
         except BaseException as exc:
             for made_proto in made:
                 made_proto.abort(redis_errors.ConnectionError("connect failed"))
             if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
-                raise redis_errors.TimeoutError(f"connect to redis timed out after {timeout}s") from None
+                raise redis_errors.TimeoutError(f"connect to redis timed out after {connect_timeout}s") from None
             if isinstance(exc, OSError):
                 raise redis_errors.ConnectionError(f"cannot connect to redis: {exc}") from exc
             raise
@@ -419,8 +392,9 @@ class RespPool:
         """Close every connection; calls still pending fail with `ConnectionError`."""
         self._closed = True
         waiters, self._waiters = self._waiters, collections.deque()
-        for waiter in waiters:
-            waiter.cancel()
+        for waiter in waiters:  # an exception, not cancel(): a cancelled wait is the caller's own cancellation
+            if not waiter.done():
+                waiter.set_exception(redis_errors.ConnectionError("connection pool closed by aclose()"))
         protos = list(self._all)
         self._all.clear()
         self._idle.clear()

@@ -22,7 +22,7 @@ from ..errors import (
     BackendMisconfigured,
     ClaimLost,
     ConfigurationError,
-    MissingExtra,
+    missing_extra,
 )
 from ..records import COMPLETED, IN_PROGRESS, Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
 from ..records import StaleRecord as StaleRecord  # re-exported: it was defined here before records.py
@@ -33,17 +33,17 @@ from ._postgres_sql import DDL, Statements, index_name
 try:
     import asyncpg
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise MissingExtra("PostgresBackend needs asyncpg: pip install 'idem-asgi[postgres]'") from exc
+    raise missing_extra("PostgresBackend needs asyncpg", "postgres") from exc
 
 # After the check above: these need asyncpg.
+from . import _postgres_keys
 from ._postgres_effects import effect_transaction, live_claim
+from ._postgres_keys import HASHED
 from ._postgres_lean import POOL_ONLY, LeanPool
 from ._postgres_pool import _UNAVAILABLE, Runner, keep_session, wrapped
+from ._postgres_pooler import probe, probe_dsn, try_a_transaction
 
 logger = logging.getLogger("idem_asgi")
-HASHED: Final = "\x1f"
-"""Marks a `key` column holding a digest: no raw key starts with it (header keys are visible ASCII,
-derived keys start with their method)."""
 
 
 def _row_key(namespace: str, scope: str, key: str, store_keys: bool) -> RecordKey:
@@ -71,7 +71,9 @@ class PostgresBackend(ClosingMixin):
         store_keys: Keep the raw scope and key in their columns, for the ops tools to display.
             By default (False) a row holds only the namespace and the key's SHA-256 digest
             (`scope` empty, `key` = `\x1f<digest>`): nothing a client sent as its key, nor the
-            tenant or user it is scoped by, sits in the table. `idem-asgi migrate` rewrites rows
+            tenant or user it is scoped by, sits in the table. With True, the backend records in
+            the table (one settings row, before its first write) that an app looks rows up by raw
+            keys, and `idem-asgi migrate` then keeps them raw; without, `migrate` rewrites rows
             of earlier versions.
     """
 
@@ -90,6 +92,7 @@ class PostgresBackend(ClosingMixin):
         self._relations = [self.table, *(schema + name for name in self._indexes.values())]
         self._timeout = timeout
         self.store_keys = store_keys
+        self._raw_recorded = False  # `store_keys=True` recorded in the table (once per backend)
         self._pool = pool
         self._dsn: str | None = None
         self._pool_options: dict[str, Any] = {}
@@ -132,10 +135,14 @@ class PostgresBackend(ClosingMixin):
         With `create_table=False` the table is never created as a side effect (only `setup()`
         creates it): a missing table is then a `BackendMisconfigured` naming `idem-asgi migrate`.
 
-        The pool holds `min_size=2` to `max_size=20` connections (`pool_options`); its sessions
-        are pinned to READ COMMITTED, which the claim statement relies on, unless `server_settings`
-        says otherwise. It is a lean pool of raw asyncpg connections (`_postgres_lean.py`: half the
-        client CPU per statement of asyncpg's pool, callers served first come first served); every
+        The pool holds `min_size=2` to `max_size=20` connections (`pool_options`). Before it is
+        built, one connection is asked two things (`_postgres_pooler.py`): whether it goes through
+        a pooler such as PgBouncer (then the pool's connections make no named prepared statements,
+        `statement_cache_size=0`, unless you set it), and the sessions' default isolation (not
+        READ COMMITTED, which the claim relies on: then each statement runs in a READ COMMITTED
+        transaction). No startup parameter is sent, so a stock PgBouncer in transaction mode
+        serves the plain URL. It is a lean pool of raw asyncpg connections (`_postgres_lean.py`:
+        half the client CPU per statement of asyncpg's pool, callers served in order); every
         other option goes to `asyncpg.connect` (`ssl`, `server_settings`, `statement_cache_size`,
         ...). Given an option only asyncpg's pool has (`init`, `setup`, `connect`, `reset`,
         `max_queries`, `max_inactive_connection_lifetime`), asyncpg's `create_pool` is used instead,
@@ -145,8 +152,7 @@ class PostgresBackend(ClosingMixin):
         backend = cls(table=table, timeout=timeout, store_keys=store_keys)
         backend._dsn = dsn
         backend._create_table = create_table
-        server_settings = {"default_transaction_isolation": "read committed", **pool_options.pop("server_settings", {})}
-        backend._pool_options = {"min_size": 2, "max_size": 20, "server_settings": server_settings, **pool_options}
+        backend._pool_options = {"min_size": 2, "max_size": 20, **pool_options}
         backend._owned = True
         return backend
 
@@ -166,7 +172,7 @@ class PostgresBackend(ClosingMixin):
             with anyio.fail_after(self.timeout):
                 async with self._lock:
                     if self._pool is None:
-                        options = self._pool_options
+                        options = await self._probed_options()
                         pool: Any
                         if POOL_ONLY.isdisjoint(options) and "reset" not in options:
                             pool = await LeanPool(self._dsn, **options).start()
@@ -186,10 +192,19 @@ class PostgresBackend(ClosingMixin):
             raise BackendMisconfigured(f"postgres: invalid DSN: {exc}") from exc
         return self._pool
 
+    async def _probed_options(self) -> dict[str, Any]:
+        """The pool's options, after asking one connection what it goes through (see `from_dsn`)."""
+        assert self._dsn is not None
+        found = await probe_dsn(self._dsn, self._pool_options, self.timeout)
+        self._runner.isolate = found.isolation != "read committed"
+        if found.pooled:
+            return {"statement_cache_size": 0, **self._pool_options}
+        return self._pool_options
+
     async def _create(self, conn: Any) -> None:
         exists = "SELECT " + " AND ".join(f"to_regclass(${i}) IS NOT NULL" for i in range(1, len(self._relations) + 1))
         # (and the newest column: tables made by earlier releases get it from the DDL's ALTER)
-        exists += " AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'ttl')"
+        exists += " AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'sealed')"
         if await conn.fetchval(exists, *self._relations, timeout=self.timeout):
             return  # nothing to do, and no lock taken on a table that is serving
         # CREATE ... IF NOT EXISTS is not safe against itself: two workers starting together can
@@ -204,11 +219,16 @@ class PostgresBackend(ClosingMixin):
     async def check(self) -> None:
         """Connect, create the table if missing, and prove the role may use it (rights to read and write).
 
-        Raises `BackendMisconfigured` naming the fix (`idem-asgi migrate`, the GRANT needed), or
-        `BackendUnavailable` when the server cannot be reached now.
+        Raises `BackendMisconfigured` naming the fix (`idem-asgi migrate`, the GRANT needed, a
+        pooler's setting), or `BackendUnavailable` when the server cannot be reached now.
         """
         await self.setup()
         pool = await self._get_pool()
+        try:
+            async with pool.acquire(timeout=self.timeout) as conn:
+                await try_a_transaction(conn, self.timeout)  # PgBouncer's statement mode refuses it
+        except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
+            raise wrapped(exc, self.table) from exc
         sql = (
             "SELECT has_table_privilege($1, 'SELECT') AND has_table_privilege($1, 'INSERT') "
             "AND has_table_privilege($1, 'UPDATE') AND has_table_privilege($1, 'DELETE')"
@@ -219,21 +239,23 @@ class PostgresBackend(ClosingMixin):
                 f"DELETE ON {self.table} TO <the app's role>"
             )
 
+    async def may_alter(self) -> bool:
+        """Whether this role owns the table (or is a member of its owner): only then can it run a
+        later version's `ALTER TABLE`; `idem-asgi migrate` says so when it cannot."""
+        sql = "SELECT pg_has_role(current_user, relowner, 'USAGE') FROM pg_class WHERE oid = to_regclass($1)"
+        return bool(await self._runner.run(await self._get_pool(), "fetchval", sql, self.table))
+
     async def setup(self) -> None:
         """Create the table and indexes if missing (idempotent, safe to run from many workers at once).
 
-        Also checks that the pool's sessions run at READ COMMITTED: under REPEATABLE READ or
-        SERIALIZABLE, concurrent claims of one key fail with serialization errors (503s).
+        Also asks which isolation level the pool's sessions default to: under REPEATABLE READ or
+        SERIALIZABLE, concurrent claims of one key would fail with serialization errors, so each
+        statement then runs in a READ COMMITTED transaction.
         """
         pool = await self._get_pool()
         try:
             async with pool.acquire(timeout=self.timeout) as conn:
-                isolation = await conn.fetchval("SHOW default_transaction_isolation", timeout=self.timeout)
-                if isolation != "read committed":
-                    raise ConfigurationError(
-                        f"the pool's sessions default to {isolation!r}; concurrent claims need 'read committed': "
-                        "create the pool with server_settings={'default_transaction_isolation': 'read committed'}"
-                    )
+                self._runner.isolate = (await probe(conn, self.timeout)).isolation != "read committed"
                 await self._create(conn)
         except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
             raise wrapped(exc, self.table) from exc
@@ -245,44 +267,27 @@ class PostgresBackend(ClosingMixin):
         return key.namespace, "", HASHED + key.digest
 
     async def hash_stored_keys(self, batch_size: int = 1000) -> tuple[int, int]:
-        """Rewrite rows that hold a raw scope and key (earlier versions, or `store_keys=True`) to the
-        digest alone, in batches of short transactions; `idem-asgi migrate` runs it. Returns
-        (rewritten, left): a row whose digest row already exists (claimed again by a newer version
-        meanwhile) is left as it is, to expire with its TTL."""
-        pool = await self._get_pool()
-        t = self.table
-        rewritten = left = 0
-        last = ("", "", "")
-        try:
-            async with pool.acquire(timeout=self.timeout) as conn:
-                while True:
-                    rows = await conn.fetch(
-                        f"SELECT namespace, scope, key FROM {t} WHERE left(key, 1) <> $4 "
-                        "AND (namespace, scope, key) > ($1, $2, $3) ORDER BY namespace, scope, key LIMIT $5",
-                        *last,
-                        HASHED,
-                        batch_size,
-                        timeout=self.timeout,
-                    )
-                    if not rows:
-                        return rewritten, left
-                    for namespace, scope, key in rows:
-                        digest = RecordKey.build(namespace, scope, key).digest
-                        try:
-                            await conn.execute(
-                                f"UPDATE {t} SET scope = '', key = $4 WHERE namespace = $1 AND scope = $2 AND key = $3",
-                                namespace,
-                                scope,
-                                key,
-                                HASHED + digest,
-                                timeout=self.timeout,
-                            )
-                            rewritten += 1
-                        except asyncpg.UniqueViolationError:
-                            left += 1
-                    last = tuple(rows[-1])
-        except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
-            raise wrapped(exc, self.table) from exc
+        """Rewrite rows that hold a raw scope and key (written by 0.1.0, or by `store_keys=True`) to
+        the digest alone, in batches of short statements; `idem-asgi migrate` runs it. Rewrites
+        nothing while an app with `store_keys=True` is recorded in the table (`raw_keys_recorded`),
+        so it never hides a row from an app that looks it up raw. Returns (rewritten, left): a row
+        whose digest row already exists (claimed again by a newer version meanwhile) is left as it
+        is, to expire with its TTL."""
+        return await _postgres_keys.hash_stored_keys(self, batch_size)
+
+    async def record_raw_keys(self) -> None:
+        """Record in the table that an app looks rows up by raw keys (`store_keys=True` does it before
+        its first write; `idem-asgi migrate --store-keys` too), so `migrate` keeps them."""
+        await _postgres_keys.record_raw_keys(self)
+        self._raw_recorded = True
+
+    async def raw_keys_recorded(self) -> float | None:
+        """When an app with `store_keys=True` last recorded that it uses this table, or None."""
+        return await _postgres_keys.raw_keys_recorded(self)
+
+    async def forget_raw_keys(self) -> None:
+        """Drop that record (`idem-asgi migrate --no-store-keys`, once no such worker runs)."""
+        await _postgres_keys.forget_raw_keys(self)
 
     async def _claim(self, key: RecordKey, fingerprint: bytes, lease: float, ttl: float, token: int) -> ClaimResult:
         pool = await self._get_pool()
@@ -303,6 +308,8 @@ class PostgresBackend(ClosingMixin):
         raise BackendError("claim found neither a free key nor a record after 5 attempts")
 
     async def claim(self, key: RecordKey, fingerprint: bytes, *, lease: float, ttl: float) -> ClaimResult:
+        if self.store_keys and not self._raw_recorded:
+            await self.record_raw_keys()  # before the first raw row: `migrate` must never rewrite it
         token = new_token()
         try:
             return await self._claim(key, fingerprint, lease, ttl, token)
@@ -317,6 +324,8 @@ class PostgresBackend(ClosingMixin):
         self, key: RecordKey, stale_token: int, fingerprint: bytes, *, lease: float, ttl: float
     ) -> ClaimResult | None:
         # A takeover whose reply is lost is not swept: it may carry an answer the recover hook supplied.
+        if self.store_keys and not self._raw_recorded:
+            await self.record_raw_keys()
         pool = await self._get_pool()
         token = new_token()
         args = (*self._id(key), fingerprint, token, lease, ttl, stale_token)
@@ -347,6 +356,7 @@ class PostgresBackend(ClosingMixin):
             response.replayable,
             ttl,
             trailers,
+            response.sealed or None,
         )
         status, retried = await self._runner.run_again(pool, "execute", self.sql.complete, *args, *payload)
         if status == "UPDATE 1":
@@ -431,7 +441,7 @@ class PostgresBackend(ClosingMixin):
         pool = await self._get_pool()
         rows = await self._runner.run(pool, "fetch", self.sql.stale, float(older_than), limit, namespace)
         return [
-            StaleRecord(_row_key(row[14], row[15], row[16], self.store_keys), _record(row), row[1] == b"e")
+            StaleRecord(_row_key(row[15], row[16], row[17], self.store_keys), _record(row), row[1] == b"e")
             for row in rows
         ]
 
@@ -519,7 +529,7 @@ def _record(row: Any) -> Record:
     response = None
     if state == b"c" and row[6] is not None:
         trailers = None if row[12] is None else _headers_decode(row[12])
-        response = StoredResponse(row[6], _headers_decode(row[7]), row[8], row[9], trailers)
+        response = StoredResponse(row[6], _headers_decode(row[7]), row[8], row[9], trailers, bool(row[14]))
     return Record(
         COMPLETED if state == b"c" else IN_PROGRESS,
         row[2],

@@ -31,7 +31,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar
 
-from ..errors import BackendUnavailable, ConfigurationError, MissingExtra
+from ..errors import BackendUnavailable, ConfigurationError, missing_extra
 from ..records import (
     COMPLETED,
     IN_PROGRESS,
@@ -47,7 +47,7 @@ from ..records import (
 )
 from ._base import ClosingMixin, new_token
 from ._orphans import OrphanSweeper
-from ._redis_scripts import ABANDON, BLANK_NAMES, CLAIM, COMPLETE, EXTEND, FAIL, READ, RELEASE, TAKEOVER, WATCH
+from ._redis_scripts import ABANDON, CLAIM, COMPLETE, EXTEND, FAIL, READ, RELEASE, TAKEOVER, WATCH
 
 try:
     import redis.asyncio as aioredis
@@ -55,13 +55,15 @@ try:
     from redis.asyncio.retry import Retry
     from redis.backoff import ExponentialBackoff
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise MissingExtra("RedisBackend needs redis-py: pip install 'idem-asgi[redis]'") from exc
+    raise missing_extra("RedisBackend needs redis-py", "redis") from exc
 
 # After the check above: these need redis-py.
-from ._redis_durable import run_then_wait
+from . import _redis_keys
+from ._redis_durable import run_then_wait, warn_on_replication
 from ._redis_errors import MISCONFIGURED, UNAVAILABLE, wrapped
 from ._redis_notices import Notices
-from ._redis_stale import _glob_escape, scan_stale
+from ._redis_stale import scan_stale
+from ._redis_url import check_options
 
 try:
     from ._resp import RespPool
@@ -113,14 +115,16 @@ class RedisBackend(ClosingMixin):
             replicas have it (`WAIT`, pipelined behind the script on the same connection). A
             claim the replicas do not confirm within `durable_timeout` is withdrawn and the
             request refused with 503 before the app runs; an unconfirmed completion is written
-            again in the background (the client has its answer). 0 (the default): Redis'
-            asynchronous replication, where a failover can lose acknowledged claims. On a
-            cluster, N replicas of the record's shard.
+            again in the background (the client has its answer). 0 (the default here, and
+            `from_url`'s for `redis://`; 1 for `redis+sentinel://`): Redis' asynchronous
+            replication, where a failover can lose acknowledged claims (`check()` logs it when
+            the primary has replicas). On a cluster, N replicas of the record's shard.
         durable_timeout: Seconds to wait for the replicas; default half of `timeout`.
         store_keys: Keep the raw scope and key in the record (fields `o`, `k`), for the ops tools
             to display. By default (False) only the namespace is kept beside the digest the key is
-            named by: no client key, tenant or user sits in Redis. `idem-asgi migrate` blanks the
-            fields in records of earlier versions.
+            named by: no client key, tenant or user sits in Redis. With True, the backend records
+            under `{prefix}store_keys` (before its first claim) that an app keeps them, and
+            `idem-asgi migrate` then leaves them; without, it blanks them in records of earlier versions.
     """
 
     def __init__(
@@ -154,6 +158,7 @@ class RedisBackend(ClosingMixin):
             )
         self.durable_replicas = durable_replicas
         self.store_keys = store_keys
+        self._raw_recorded = False  # `store_keys=True` recorded under the prefix (once per backend)
         self._sentinel: Any = None  # from_url's Sentinel (redis+sentinel://), closed with the client
         self._durable_ms = _ms(durable_timeout)
         # from_url's lean connection pool (see _resp.py) serves the hot script calls; the
@@ -217,14 +222,21 @@ class RedisBackend(ClosingMixin):
                 pooled connections after a restart).
             cluster: Use `redis.asyncio.RedisCluster` (keys hash by their `{digest}` tag).
             client_options: Passed to redis-py (`ssl_ca_certs`, `username`, `password`, ...),
-                and `durable_replicas` / `durable_timeout` to the backend (see the class).
+                and `durable_replicas` / `durable_timeout` to the backend (see the class). With
+                `redis+sentinel://`, `durable_replicas` defaults to 1 (a claim counts once a replica
+                has it, so a failover cannot hand it to a retry); opt out with `durable_replicas=0`
+                or `?durable_replicas=0` on the URL.
 
-        For a `redis://` or `unix://` URL without cluster and with no client option beyond
-        `username`, `password` and `db`, the script calls go through a lean connection pool
-        (`_resp.RespPool`, hiredis; same size, timeout and one-retry rules) that costs a fraction
-        of redis-py's CPU per call; the redis-py client then serves only the ops tools.
+        The URL is parsed by redis-py alone (its rules for the db in the path or in `?db=`, for
+        credentials and query options). For a `redis://` or `unix://` URL without cluster, the
+        script calls go through a lean connection pool (`_resp.RespPool`, hiredis; same server,
+        db, credentials, size, timeouts and one-retry rule) that costs a fraction of redis-py's
+        CPU per call, and the redis-py client serves only the ops tools; a URL or option asking
+        for what the lean pool does not do (TLS, RESP3, `client_name`, `retry_on_timeout`,
+        `health_check_interval`, ...) leaves every call to redis-py. An option redis-py's
+        connections do not take (a typo) raises `ConfigurationError` here, not at the first request.
         """
-        durable = {
+        durable: dict[str, Any] = {
             k: client_options.pop(k)
             for k in ("durable_replicas", "durable_timeout", "store_keys")
             if k in client_options
@@ -242,8 +254,10 @@ class RedisBackend(ClosingMixin):
         }
         client: Any
         if url.lower().startswith("redis+sentinel://"):
-            from ._redis_sentinel import sentinel_client
+            from ._redis_sentinel import durable_options, sentinel_client
 
+            # Sentinel means replicas: claims are durable unless the URL or the caller says otherwise.
+            url, durable = durable_options(url, durable)
             client, sentinel = sentinel_client(url, max_connections=max_connections, **options)
             backend = cls(
                 client, prefix=prefix, max_concurrency=max_connections, timeout=timeout, _owned=True, **durable
@@ -256,10 +270,12 @@ class RedisBackend(ClosingMixin):
         pool = aioredis.BlockingConnectionPool.from_url(
             url, max_connections=max_connections, timeout=timeout, **options
         )
+        check_options(pool)
         client = aioredis.Redis.from_pool(pool)
+        # The lean pool reads redis-py's own parse of the URL: both use one server, one db, one user.
         lean = None
         if RespPool is not None:
-            lean = RespPool.from_url(url, timeout=timeout, max_connections=max_connections, options=client_options)
+            lean = RespPool.from_client(client, timeout=timeout, max_connections=max_connections)
         return cls(client, prefix=prefix, timeout=timeout, _owned=True, _lean=lean, **durable)
 
     def _names(self, key: RecordKey) -> tuple[bytes, bytes, bytes]:
@@ -314,6 +330,8 @@ class RedisBackend(ClosingMixin):
             slots.release()
 
     async def claim(self, key: RecordKey, fingerprint: bytes, *, lease: float, ttl: float) -> ClaimResult:
+        if self.store_keys and not self._raw_recorded:
+            await self.record_raw_keys()  # before the first record with names: `migrate` keeps them
         token = new_token()
         name = self._key(key)
         args = (fingerprint, token, _ms(lease), _ms(ttl), *self._names(key))
@@ -371,6 +389,8 @@ class RedisBackend(ClosingMixin):
         # A takeover whose reply is lost is *not* swept: it may carry a recovered answer
         # (recover hook), and deleting it would let a retry run the operation again. It
         # expires into outcome-unknown, and recovery is asked again.
+        if self.store_keys and not self._raw_recorded:
+            await self.record_raw_keys()
         token = new_token()
         name = self._key(key)
         args = (stale_token, fingerprint, token, _ms(lease), _ms(ttl), *self._names(key))
@@ -431,12 +451,16 @@ class RedisBackend(ClosingMixin):
 
     async def check(self) -> None:
         """Claim and release a throwaway key: proves the credentials, the database and the script
-        rights. Then warn (once, in the log) when Redis may evict records before their TTL."""
+        rights (and, with `durable_replicas`, that replicas confirm it). Then warn (once, in the
+        log) when Redis may evict records before their TTL, and when a failover can cost claims
+        (the primary has replicas, claims are not durable)."""
         probe = RecordKey.build("idem-asgi-check", None, f"check-{new_token()}")
         result = await self.claim(probe, b"check", lease=5.0, ttl=5.0)
         if isinstance(result, Claimed):
             await self.release(probe, result.token)
         await self._warn_on_eviction()
+        if not self._cluster:
+            await warn_on_replication(self.client, self.durable_replicas, self.timeout)
 
     async def _warn_on_eviction(self) -> None:
         try:  # INFO, not CONFIG: managed services that refuse CONFIG still answer it
@@ -494,35 +518,24 @@ class RedisBackend(ClosingMixin):
     async def hash_stored_keys(self, scan_count: int = 500) -> tuple[int, int]:
         """Blank the raw scope and key (fields `o`, `k`) in records of earlier versions or of
         `store_keys=True`, walking `prefix*` with `SCAN` (every primary of a cluster) and fixing
-        each batch in one pipelined round trip; `idem-asgi migrate` runs it. Returns (rewritten, 0)."""
-        rewritten = 0
-        async with self._tool_call():
-            client = self.client
-            nodes: list[Any] = list(client.get_primaries()) if self._cluster else [None]
-            for node in nodes:
-                options: dict[str, Any] = {} if node is None else {"target_nodes": node}
-                cursor: Any = 0
-                while True:
-                    cursor, names = await client.scan(
-                        cursor, match=_glob_escape(self.prefix) + "{*}", count=scan_count, **options
-                    )
-                    if isinstance(cursor, dict):
-                        cursor = cursor[node.name]
-                    if names:
-                        pipe = client.pipeline(transaction=False) if node is None else client.pipeline()
-                        for name in names:
-                            pipe.hmget(name, "o", "k")
-                        fields = await pipe.execute()
-                        raw = [n for n, (o, k) in zip(names, fields, strict=True) if o or k]
-                        if raw:
-                            pipe = client.pipeline(transaction=False) if node is None else client.pipeline()
-                            for name in raw:
-                                # Only where the record still exists: never recreate an expired key.
-                                pipe.eval(BLANK_NAMES, 1, name)
-                            rewritten += sum(int(r) for r in await pipe.execute())
-                    if int(cursor) == 0:
-                        break
-        return rewritten, 0
+        each batch in one pipelined round trip; `idem-asgi migrate` runs it. Blanks nothing while
+        an app with `store_keys=True` is recorded under this prefix (`raw_keys_recorded`).
+        Returns (rewritten, 0)."""
+        return await _redis_keys.hash_stored_keys(self, scan_count)
+
+    async def record_raw_keys(self) -> None:
+        """Record under `{prefix}store_keys` that an app keeps raw keys (`store_keys=True` does it
+        before its first claim; `idem-asgi migrate --store-keys` too), so `migrate` keeps them."""
+        await _redis_keys.record_raw_keys(self)
+        self._raw_recorded = True
+
+    async def raw_keys_recorded(self) -> float | None:
+        """When an app with `store_keys=True` last recorded that it uses this prefix, or None."""
+        return await _redis_keys.raw_keys_recorded(self)
+
+    async def forget_raw_keys(self) -> None:
+        """Drop that record (`idem-asgi migrate --no-store-keys`, once no such worker runs)."""
+        await _redis_keys.forget_raw_keys(self)
 
     async def purge(self, batch_size: int = 1000) -> int:
         """Nothing to do: every record key carries its TTL (`PEXPIRE`), so Redis deletes it itself.

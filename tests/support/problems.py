@@ -7,7 +7,7 @@ from typing import Any
 
 import httpx
 
-from idem_asgi.problems import ProblemType
+from idem_asgi.problems import DEFAULT_PROBLEM_BASE, ProblemType
 from tests.support.asgi import Result
 
 
@@ -19,9 +19,12 @@ def _header(response: httpx.Response | Result, name: str) -> str | None:
     return None if value is None else str(value)
 
 
-def assert_problem(response: httpx.Response | Result, problem: ProblemType) -> dict[str, Any]:
-    """Assert an RFC 9457 refusal of the given kind: status, type, title, a detail, no-store, never
-    a replay, no stack trace. Returns the problem document."""
+def assert_problem(
+    response: httpx.Response | Result, problem: ProblemType, *, base: str = DEFAULT_PROBLEM_BASE
+) -> dict[str, Any]:
+    """Assert an RFC 9457 refusal of the given kind: status, type (under `base`), title, a detail,
+    no-store, never a replay, no stack trace; a `Link` to its page unless the base is the default's
+    bare identifiers. Returns the problem document."""
     if isinstance(response, Result):
         status, body = response.status, response.body
     else:
@@ -32,8 +35,9 @@ def assert_problem(response: httpx.Response | Result, problem: ProblemType) -> d
     assert _header(response, "idempotent-replayed") is None
     doc = json.loads(body)
     assert isinstance(doc, dict), doc
-    assert doc["type"] == problem.type, doc
-    assert _header(response, "link") == f'<{doc["type"]}>; rel="describedby"'  # docs/problems.md#<slug>
+    assert doc["type"] == problem.url(base), doc
+    link = None if base == DEFAULT_PROBLEM_BASE else f'<{doc["type"]}>; rel="describedby"'
+    assert _header(response, "link") == link
     assert doc["status"] == problem.status
     assert doc["title"] == problem.title
     assert isinstance(doc["detail"], str) and doc["detail"]
