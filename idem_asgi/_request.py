@@ -510,6 +510,7 @@ class Protected:
         return lambda name: mw.emit(name, route, rkey, status)
 
     def _retried(self, started: bool) -> None:
+        """Log a write the retrier refused (its memory bound is reached): the key is left to its lease."""
         if not started:
             assert self.rkey is not None
             logger.error("idem_asgi: too many writes waiting for the store; key %r is not retried", self.rkey.key)

@@ -183,7 +183,9 @@ def _retry_after(response: httpx.Response) -> float | None:
     if not value:
         return None
     if value.isascii() and value.isdigit():
-        return float(min(int(value), 86_400))
+        # More than a day's worth of digits is a day: never int() thousands of them (ValueError).
+        digits = value.lstrip("0") or "0"
+        return 86_400.0 if len(digits) > 5 else float(min(int(digits), 86_400))
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError, IndexError, OverflowError):

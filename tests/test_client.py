@@ -597,3 +597,17 @@ def test_sync_total_timeout_against_a_silent_server(live: LiveServer) -> None:
         elapsed = time.monotonic() - start
     assert elapsed < 0.5 + SLACK
     assert live.shop.seen == []
+
+
+async def test_a_retry_after_of_thousands_of_digits_is_a_long_wait_not_a_crash() -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await read_body(receive)
+        headers = [(b"content-type", b"application/problem+json"), (b"retry-after", b"9" * 5000)]
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": b'{"status": 503}'})
+
+    transport = IdempotentRetryTransport(httpx.ASGITransport(app=app), total_timeout=0.5)
+    async with httpx.AsyncClient(transport=transport, base_url="http://shop") as client:
+        r = await client.post("/payments", json={"amount": 1})
+    assert r.status_code == 503  # a day's wait is past the deadline: handed back at once, no ValueError
+    assert r.extensions["idempotency_attempts"] == 1
