@@ -1,6 +1,6 @@
 """One protected request, from its key to its answer. The steps read top to bottom:
 
-read the key -> read the body -> derive the key, find the scope -> claim -> decide ->
+read the key, find the scope -> read the body -> derive the key -> claim -> decide ->
 run (capturing the answer) / replay / refuse.
 
 The middleware keeps only configuration; everything about one request lives on one `Protected`
@@ -34,6 +34,7 @@ from ._logging import redact, store_failed, throttled
 from ._types import Message, Receive, Scope, Send
 from .context import STATE_KEY, IdempotencyInfo, enter, leave
 from .errors import BackendMisconfigured, StoreFull
+from .fingerprint import digest
 from .keys import route_key
 from .observe import EventName
 from .records import Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
@@ -140,7 +141,7 @@ class Protected:
             )
 
     async def _prepare(self) -> bool:
-        """Read the key, the body and the scope. False when the request was passed through or ended."""
+        """Read the key, the scope and the body. False when the request was passed through or ended."""
         route, scope = self.route, self.scope
         raw: bytes | None = None
         count = 0
@@ -158,6 +159,8 @@ class Protected:
                 raise Refused(problems.KEY_REQUIRED, f"This operation requires an {route.header_name} header.")
             await self.mw.app(scope, self.receive, self.send)
             return False
+        # The scope needs no body: a request that names nobody is refused before any body work.
+        stored_owner, self.owner = request_scope(route, scope)
         limit = route.max_body
         if length is not None and length_over(length, limit):
             raise self._too_large()
@@ -176,7 +179,7 @@ class Protected:
             if body is None:
                 return False  # the client left before anything was claimed
         self.body = body
-        self.fingerprint = hasher.digest()
+        self.fingerprint = await digest(hasher, len(body))
         if route.key_source is None:
             assert given is not None
             self.key = stored = given
@@ -192,7 +195,6 @@ class Protected:
             # A derived key lives in its route's own key space: never a header key's, nor another route's.
             self.key = derived
             stored = route_key(scope["method"], route_path(scope), derived)
-        stored_owner, self.owner = request_scope(route, scope)
         self.rkey = RecordKey.build(self.mw.namespace, stored_owner, stored)
         return True
 

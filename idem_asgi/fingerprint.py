@@ -7,13 +7,25 @@ the default rule hashes incrementally and never joins the body for hashing.
 from __future__ import annotations
 
 import hashlib
-import re
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Protocol
-from urllib.parse import parse_qsl
+from collections.abc import Callable, Iterable
+from typing import Any, Final, Protocol
 
+import anyio
 import msgspec
 
+from ._fields import (
+    canonical_form,
+    drop,
+    form_drop,
+    form_matcher,
+    form_order,
+    form_select,
+    json_decode,
+    json_encode,
+    parse_path,
+    select,
+    tree,
+)
 from ._types import Scope
 from .errors import ConfigurationError
 
@@ -103,15 +115,12 @@ class _Buffered:
         return self._finish(b"".join(self._chunks))
 
 
-_json_decode = msgspec.json.Decoder().decode
-_json_encode = msgspec.json.Encoder(order="sorted").encode
-
-
 class JsonIgnoring:
     """JSON bodies compared without the given top-level fields (timestamps, client nonces).
 
-    Semantically equal bodies match: keys are sorted and whitespace dropped before hashing.
-    A body that is not JSON (or nests deeper than the decoder allows) is hashed as raw bytes.
+    Semantically equal bodies match: keys are sorted and whitespace dropped before hashing; numbers
+    count as written (`1.0` is not `1`, and no float is rounded). A body that is not JSON (or nests
+    deeper than the decoder allows) is hashed as raw bytes.
     """
 
     __slots__ = ("fields", "headers")
@@ -125,17 +134,18 @@ class JsonIgnoring:
 
         def finish(body: bytes) -> bytes:
             try:
-                doc = _json_decode(body)
-            except (msgspec.DecodeError, RecursionError):
+                doc = json_decode(body)
+                if isinstance(doc, dict):
+                    doc = {k: v for k, v in doc.items() if k not in self.fields}
+                canonical = json_encode(doc)
+            except (msgspec.DecodeError, msgspec.EncodeError, RecursionError, UnicodeError):
                 # RecursionError: nesting deeper than msgspec will decode. Hashing the raw bytes
                 # keeps such a body comparable instead of failing the request with a 500.
                 head.update(b"raw")
                 head.update(body)
             else:
-                if isinstance(doc, dict):
-                    doc = {k: v for k, v in doc.items() if k not in self.fields}
                 head.update(b"json")
-                head.update(_json_encode(doc))
+                head.update(canonical)
             return bytes(head.digest())
 
         return _Buffered(finish)
@@ -144,118 +154,89 @@ class JsonIgnoring:
         return f"JsonIgnoring(*{sorted(self.fields)!r})"
 
 
-_SEGMENT = re.compile(r"\[\d*\]|[^.\[\]]+")
-Path = tuple["str | int | None", ...]  # a name, an array index, or None: any index ("[]")
-
-
-def _path(text: str) -> Path:
-    """`customer.id`, `items[].price`, `items[0].sku`, `[].id`, `metadata[order_id]` as segments."""
-    segments: list[str | int | None] = []
-    for part in _SEGMENT.findall(text):
-        if part == "[]":
-            segments.append(None)
-        elif part.startswith("["):
-            segments.append(int(part[1:-1]))
-        else:
-            segments.append(int(part) if part.isdigit() else part)
-    if not segments:
-        raise ConfigurationError(f"empty field path {text!r}")
-    return tuple(segments)
-
-
-def _covers(path: Path, leaf: tuple[str | int, ...]) -> bool:
-    """`path` selects `leaf` (the leaf itself or anything under it)."""
-    if len(path) > len(leaf):
-        return False
-    return all(p == s or (p is None and isinstance(s, int)) for p, s in zip(path, leaf, strict=False))
-
-
-def _leaves(doc: Any, at: tuple[str | int, ...] = ()) -> Iterator[tuple[tuple[str | int, ...], Any]]:
-    if isinstance(doc, dict) and doc:
-        for name, value in doc.items():
-            yield from _leaves(value, (*at, name))
-    elif isinstance(doc, list) and doc:
-        for i, value in enumerate(doc):
-            yield from _leaves(value, (*at, i))
-    else:
-        yield at, doc  # a scalar, or an empty object or array
-
-
-def _form_leaves(body: bytes) -> Iterator[tuple[tuple[str | int, ...], Any]]:
-    """`a=1&metadata[order]=x&items[0][price]=5&expand[]=p&expand[]=q` as (segments, value) pairs;
-    `[]` numbers a name's repeats in order (what Stripe's and Rails' encoders send)."""
-    seen: dict[str, int] = {}
-    # Strict UTF-8 (raw and percent-encoded): a body that is not is compared as raw bytes instead.
-    for name, value in parse_qsl(body.decode("utf-8"), keep_blank_values=True, errors="strict"):
-        leaf: list[str | int] = []
-        # A name with no segment at all ("", ".", "[]"...) is one field named as sent.
-        for segment in _path(name) if _SEGMENT.search(name) and name.strip(".") else (name,):
-            if segment is None:  # "expand[]": the nth repeat of this name
-                segment = seen[name] = seen.get(name, -1) + 1
-            leaf.append(segment)
-        yield tuple(leaf), value
-
-
 class Fields:
     """Bodies compared field by field: `only` these paths, or all `but` these (`ignore`), for JSON
     and for `application/x-www-form-urlencoded` bodies (what Stripe's clients send).
 
-    A path is dotted names with array items: `amount`, `customer.id`, `items[].price` (every item's
-    price), `items[0].sku`, `[].id` (a top-level array), `metadata[order_id]` (form names are paths
-    as sent). A path selects its whole subtree. Comparison is semantic: key order and whitespace do
-    not matter, array order and value types do, and a missing field differs from a null one. Field
-    names holding `.`, `[` or `]` cannot be addressed. A body that is neither JSON nor a form (or
-    nests deeper than the decoder allows) is compared as raw bytes.
+    A path is names joined by dots, with array items in brackets: `amount`, `customer.id`,
+    `items[].price` (every item's price), `items[0].sku`, `[].id` (a top-level array),
+    `metadata[order_id]` (`[name]` is a name too, and may hold dots). A path selects its whole
+    subtree. Comparison is semantic: key order and whitespace do not matter; array order, array
+    length, value types and numbers as written do, and a missing field differs from a null one.
+
+    With `only`, a path the body does not follow is compared by what the body has where the path
+    stops: `customer.id` against `"customer": "cus_1"` compares that string, `items[].price`
+    against `"items": null` that null. A path missing from both bodies matches.
+
+    Form names are paths as sent (`items[0][price]`; `a.b` is one name, never `a[b]`). Fields may
+    come in any order, but fields of one name keep theirs (`amount=5&amount=6` is not
+    `amount=6&amount=5`), as do the fields of one `[]` array. A body that is neither JSON nor a form
+    (or nests deeper than the decoder allows, or is a form with a raw `;`) is compared as raw bytes.
     """
 
-    __slots__ = ("headers", "ignore", "only")
+    __slots__ = ("_form_ignore", "_form_only", "_ignore", "_only", "headers", "ignore", "only")
 
     def __init__(self, *, only: Iterable[str] = (), ignore: Iterable[str] = (), headers: Iterable[str] = ()) -> None:
         for name, given in (("only", only), ("ignore", ignore)):
             if isinstance(given, str):
                 raise ConfigurationError(f"Fields({name}=...) takes a list of paths, got the string {given!r}")
-        self.only = tuple(_path(p) for p in only)
-        self.ignore = tuple(_path(p) for p in ignore)
+        self.only = tuple(parse_path(p) for p in only)
+        self.ignore = tuple(parse_path(p) for p in ignore)
         if not self.only and not self.ignore:
             raise ConfigurationError("Fields needs only=[...] or ignore=[...] (JsonIgnoring() for neither)")
         self.headers = _lower(headers)
-
-    def _kept(self, leaf: tuple[str | int, ...]) -> bool:
-        if self.only and not any(_covers(p, leaf) for p in self.only):
-            return False
-        return not any(_covers(p, leaf) for p in self.ignore)
+        self._only = tree(self.only) if self.only else None
+        self._ignore = tree(self.ignore) if self.ignore else None
+        self._form_only = form_matcher(self._only, on_the_way=True)
+        self._form_ignore = form_matcher(self._ignore, on_the_way=False)
 
     def begin(self, scope: Scope) -> Hasher:
         head = _head(scope, self.headers)
-        form = any(
-            k == b"content-type" and v.split(b";", 1)[0].strip().lower() == b"application/x-www-form-urlencoded"
-            for k, v in scope["headers"]
-        )
+        types = [v for k, v in scope["headers"] if k == b"content-type"]
+        form = len(types) == 1 and types[0].split(b";", 1)[0].strip().lower() == _FORM_TYPE
 
         def finish(body: bytes) -> bytes:
-            try:
-                kind, leaves = (
-                    (b"form", list(_form_leaves(body))) if form else (b"json", list(_leaves(_json_decode(body))))
-                )
-            except (msgspec.DecodeError, RecursionError, UnicodeError):
+            canonical = None if len(types) > 1 else self._form(body) if form else self._json(body)
+            if canonical is None:  # not a body these rules read: every byte counts
                 head.update(b"raw")
                 head.update(body)
-                return bytes(head.digest())
-            kept = sorted(_json_encode([list(leaf), value]) for leaf, value in leaves if self._kept(leaf))
-            head.update(kind)
-            for item in kept:
-                head.update(len(item).to_bytes(4, "big"))
-                head.update(item)
+            else:
+                head.update(canonical)
             return bytes(head.digest())
 
         return _Buffered(finish)
+
+    def _json(self, body: bytes) -> bytes | None:
+        try:
+            doc = json_decode(body)
+            if self._only is not None:
+                doc = select(doc, self._only)
+            if self._ignore is not None:
+                drop(doc, self._ignore)
+            return b"json" + json_encode(doc)
+        except (msgspec.DecodeError, msgspec.EncodeError, RecursionError, UnicodeError):
+            return None
+
+    def _form(self, body: bytes) -> bytes | None:
+        form = canonical_form(body)
+        if form is None:
+            return None
+        if self._only is not None:
+            form = form_select(form, self._form_only)
+        if self._form_ignore is not None:
+            form = form_drop(form, self._form_ignore)
+        return b"form" + form_order(form)
 
     def __repr__(self) -> str:
         return f"Fields(only={self.only!r}, ignore={self.ignore!r})"
 
 
+_FORM_TYPE: Final = b"application/x-www-form-urlencoded"
+
+
 class custom:
-    """Wrap `func(scope, body) -> bytes` as a rule; the body is passed whole."""
+    """Wrap `func(scope, body) -> bytes` as a rule; the body is passed whole (from a worker thread
+    for bodies of `OFFLOAD_BYTES` and more, like the other rules that read the whole body)."""
 
     __slots__ = ("func",)
 
@@ -264,3 +245,15 @@ class custom:
 
     def begin(self, scope: Scope) -> Hasher:
         return _Buffered(lambda body: self.func(scope, body))
+
+
+OFFLOAD_BYTES: Final = 64 * 1024
+"""From this size on, rules that read the whole body (`JsonIgnoring`, `Fields`, `custom`) run in a
+worker thread: at ~15 ms per MiB, a larger body would hold the event loop for more than a ms."""
+
+
+async def digest(hasher: Hasher, size: int) -> bytes:
+    """`hasher.digest()`, off the event loop when it parses a body of `size` >= `OFFLOAD_BYTES`."""
+    if size >= OFFLOAD_BYTES and isinstance(hasher, _Buffered):
+        return await anyio.to_thread.run_sync(hasher.digest)
+    return hasher.digest()

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Mapping
 from typing import Final
 from urllib.parse import quote
 
@@ -140,17 +141,38 @@ def scope_from_state(attribute: str) -> ScopeFunc:
 _PRINCIPAL_ATTRIBUTES: Final = ("identity", "id", "pk", "sub", "user_id", "username")
 
 
+def _read(value: object, name: str) -> object:
+    """`value.name` (or `value[name]` of a mapping); None when absent, or when it raises
+    `NotImplementedError`: Starlette's `BaseUser` leaves `identity` to subclasses that way."""
+    try:
+        return value.get(name) if isinstance(value, Mapping) else getattr(value, name, None)
+    except NotImplementedError:
+        return None
+
+
+def _id_text(value: object) -> str | None:
+    """A str, int or UUID as the stable text a scope is stored under; None for anything else."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str | int):
+        return str(value) or None
+    if isinstance(value, uuid.UUID):
+        return str(value)  # one spelling: lower-case, hyphenated
+    return None  # never str(obj): an object's text may change between two retries
+
+
 def _principal(value: object, attributes: tuple[str, ...], *, plain: bool) -> str | None:
-    if value is None or getattr(value, "is_authenticated", True) is False:
+    if value is None or _read(value, "is_authenticated") is False:
         return None  # nobody, or Starlette's UnauthenticatedUser
-    if isinstance(value, (str, int)) and not isinstance(value, bool):
+    text = _id_text(value)
+    if text is not None:
         # A plain user name or id; never a plain `auth` value, which is often the raw credential.
-        return (str(value) or None) if plain else None
+        return text if plain else None
     for name in attributes:
-        found = value.get(name) if isinstance(value, dict) else getattr(value, name, None)
-        if isinstance(found, (str, int)) and not isinstance(found, bool) and str(found):
-            return str(found)
-    return None  # never str(value): an object's text may change between two retries
+        text = _id_text(_read(value, name))
+        if text is not None:
+            return text
+    return None
 
 
 def scope_from_user(attribute: str | None = None) -> ScopeFunc:
@@ -158,11 +180,18 @@ def scope_from_user(attribute: str | None = None) -> ScopeFunc:
 
     The secure default for APIs with authentication: Starlette's `AuthenticationMiddleware` and
     Litestar's auth middleware set `scope["user"]` (and `scope["auth"]`) before this middleware runs,
-    so add them outside it. The principal is a string or int, or the first of `attribute` (or, by
-    default, `identity`, `id`, `pk`, `sub`, `user_id`, `username`) found on the user object or dict;
-    `scope["auth"]` is tried by those attributes when `scope["user"]` names nobody (never as a plain
-    value: that is often the raw credential, which changes when a token is refreshed). An unauthenticated user
-    (`is_authenticated` false) names nobody: the request is refused with 400 `scope-required`.
+    so add them outside it. The principal, in this order:
+
+    1. `scope["user"]` itself when it is a str, an int or a `uuid.UUID`;
+    2. else the first of `attribute` (by default `identity`, `id`, `pk`, `sub`, `user_id`,
+       `username`) on the user object (or key of a user dict) that is a non-empty str, an int or a
+       UUID; one that raises `NotImplementedError` (Starlette's `BaseUser.identity`) counts as absent;
+    3. else `scope["auth"]` read the same way by attributes, never as a plain value (that is often
+       the raw credential, which changes when a token is refreshed). Starlette's `AuthCredentials`
+       holds permission scopes shared by many users, not an identity: it never names anyone.
+
+    A UUID is stored as its lower-case hyphenated text. An unauthenticated user (`is_authenticated`
+    false) names nobody: the request is refused with 400 `scope-required`.
     """
     attributes = _PRINCIPAL_ATTRIBUTES if attribute is None else (attribute,)
 
