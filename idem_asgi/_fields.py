@@ -324,8 +324,9 @@ def form_matcher(root: Node | None, *, on_the_way: bool) -> re.Pattern[bytes] | 
     names = None if root is None else _under(root, first=True, on_the_way=on_the_way)
     if names is None:
         return None
-    # The whole name must match (up to `=`, the next field, or the end): `a` never selects `a.b`.
-    return re.compile(("&(" + names + "(?=[=&]|$)[^&]*+)").encode("latin-1"))
+    # The whole name must match, up to `=`, the next field or the very end (`\Z`: `$` would also
+    # match before a final newline): `a` selects neither `a.b` nor `a<LF>`.
+    return re.compile(("&(" + names + r"(?=[=&]|\Z)[^&]*+)").encode("latin-1"))
 
 
 _SLICE: Final = 64 * 1024

@@ -138,6 +138,7 @@ COLLIDING: list[tuple[str, Fields, bytes, bytes, bool]] = [
     ("a float is not an int", Fields(ignore=["nonce"]), b'{"amount": 1e0}', b'{"amount": 1}', False),
     ("a ; splits fields for some parsers", Fields(only=["amount"]), b"a=1;amount=5", b"a=1;amount=6", True),
     ("an escaped name is the name", Fields(only=["amount"]), b"%61mount=5", b"%61mount=6", True),
+    ("a newline ends no name", Fields(ignore=["a"]), b"x=1&a%0A", b"x=1", True),
 ]
 
 
@@ -270,7 +271,9 @@ def form_name(draw: st.DrawFn, path: tuple[Any, ...]) -> str:
     """A form field name along `path` (cut short or run on, sometimes), or an odd one."""
     if not path or not isinstance(path[0], str) or draw(st.integers(0, 5)) == 0:
         return draw(
-            st.sampled_from(["a", "a[]", "a[][p]", "a.b", "b", "", "a[", "a]b", "[x]", "a[b]c", "a[00]", "a[x.y]"])
+            st.sampled_from(
+                ["a", "a[]", "a[][p]", "a.b", "b", "", "a[", "a]b", "[x]", "a[b]c", "a[00]", "a[x.y]", "a\n"]
+            )
         )
     cut = draw(st.integers(1, len(path)))
     name = path[0]
