@@ -29,6 +29,7 @@ from urllib.parse import quote
 
 SIZES = (1024, 16 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 MIB = 1024 * 1024
+TARGET_MS_PER_MIB = 20.0
 ONLY = ["amount", "currency", "customer.id", "items[].price"]
 IGNORE = ["sent_at", "items[].note"]
 
@@ -171,6 +172,9 @@ async def held(kind: str, size: int) -> dict[str, Any]:
             gaps.append(now - last)
             last = now
 
+    warm = scope_for(kind)  # the worker thread and the caches, before anything is measured
+    warm["headers"] = [*warm["headers"], (b"idempotency-key", f"w-{time.time_ns()}".encode())]
+    await call(warm, (json_body if kind == "json" else form_body)(256 * 1024), time.perf_counter())
     tick = asyncio.create_task(ticker())
     await asyncio.sleep(0.01)
     gaps.clear()
@@ -212,6 +216,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'body':<5} {'bytes':>9} {'rule':<22} {'CPU ms':>9} {'ms/MiB':>9}")
     for r in rows:
         print(f"{r['body']:<5} {r['bytes']:>9} {r['rule']:<22} {r['ms']:>9.2f} {r['ms_per_mib']:>9.1f}")
+    for kind in ("json", "form"):
+        per_mib = [
+            r["ms_per_mib"] for r in rows if r["body"] == kind and r["bytes"] >= MIB // 2 and "Fields" in r["rule"]
+        ]
+        if per_mib:
+            worst = max(per_mib)
+            met = "met" if worst <= TARGET_MS_PER_MIB else "MISSED"
+            print(f"target Fields {kind} ms per MiB (>= 512 KiB): {worst:.2f} (goal <= {TARGET_MS_PER_MIB:.2f}) {met}")
     print()
     print("through the middleware (memory store), Fields(only=4), with a concurrent GET /health:")
     print(f"{'body':<5} {'bytes':>9} {'request ms':>11} {'loop held ms':>13} {'health ms':>10}")

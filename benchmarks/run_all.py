@@ -2,8 +2,8 @@
 
 Runs round trips, overhead (quick), the scale curve, retry storms with the strawman (quick), held
 repeats (`wait=2`) against 409 at 2 workers, 10,000 repeats held in one process, durable claims,
-bytes per request and record, the cost of a NATS consumer adapter per message, and the large
-Postgres table (100,000 rows unless `--rows`), writes every table to
+bytes per request and record, the cost of a NATS consumer adapter per message, fingerprint rules
+per MiB, and the large Postgres table (100,000 rows unless `--rows`), writes every table to
 `benchmarks/out/report.md` and draws the scale curve to `docs/benchmarks.png` (matplotlib, the
 `bench` extra). Each benchmark also runs alone; see benchmarks/README.md.
 """
@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         run("Durable claims", ["benchmarks.bench_durable", "--n", "300", "--blocks", "2"]),
         run("Bytes per request and per record", ["benchmarks.bench_footprint"]),
         run("Message consumers (NATS JetStream)", ["benchmarks.bench_consumers"]),
+        run("Fingerprint rules per MiB", ["benchmarks.bench_fingerprint", "--sizes", "16384,1048576,4194304"]),
         run("Large Postgres table", ["benchmarks.bench_postgres_table", "--rows", str(args.rows)]),
     ]
     print("== Scale curve: python -m benchmarks.bench_scale --json", flush=True)

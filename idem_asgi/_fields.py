@@ -19,7 +19,7 @@ all (python-multipart, Starlette's parser, splits fields at `;`; the standard li
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, Final
 
 import msgspec
@@ -324,15 +324,33 @@ def form_matcher(root: Node | None, *, on_the_way: bool) -> re.Pattern[bytes] | 
     names = None if root is None else _under(root, first=True, on_the_way=on_the_way)
     if names is None:
         return None
-    # The whole name must match (up to `=`, the next field, or the end): `a` never selects `a.b`.
-    return re.compile(("&(" + names + "(?=[=&]|$)[^&]*+)").encode("latin-1"))
+    # The whole name must match, up to `=`, the next field or the very end (`\Z`: `$` would also
+    # match before a final newline): `a` selects neither `a.b` nor `a<LF>`.
+    return re.compile(("&(" + names + r"(?=[=&]|\Z)[^&]*+)").encode("latin-1"))
+
+
+_SLICE: Final = 64 * 1024
+
+
+def _slices(body: bytes) -> Iterator[bytes]:
+    """`body` in `&`-prefixed pieces of whole fields, ~64 KiB each: a regex call holds the GIL
+    (and so the event loop, from a worker thread) for one piece at a time, never for the body."""
+    start = 0
+    while start < len(body):
+        end = body.find(b"&", start + _SLICE)
+        if end < 0:
+            end = len(body)
+        yield b"&" + body[start:end]
+        start = end + 1
 
 
 def form_select(body: bytes, only: re.Pattern[bytes] | None) -> bytes:
     """The fields `only` matches, in order."""
-    return b"" if only is None or not body else b"&".join(only.findall(b"&" + body))
+    if only is None:
+        return b""
+    return b"&".join(field for piece in _slices(body) for field in only.findall(piece))
 
 
 def form_drop(body: bytes, ignore: re.Pattern[bytes]) -> bytes:
     """The fields `ignore` does not match, in order."""
-    return ignore.sub(b"", b"&" + body)[1:] if body else body
+    return b"".join(ignore.sub(b"", piece) for piece in _slices(body))[1:]

@@ -41,9 +41,11 @@ DUPLICATES = 8
 IN_FLIGHT = 64
 BODY = json.dumps({"amount": 1999, "currency": "EUR"}).encode()
 OTHER = json.dumps({"amount": 2999, "currency": "EUR"}).encode()
-EXIT_ON_BAD_STORE = {"granian": 1, "hypercorn": 0, "gunicorn": 3}
+EXIT_ON_BAD_STORE = {"granian": {1}, "hypercorn": {0}, "gunicorn": {1, 3}}
 """What each server exits with when its workers' lifespan start-up fails (measured; docs/production.md).
-hypercorn 0.18 with workers loses its workers' exit status (pgjones/hypercorn#269): it exits 0."""
+hypercorn 0.18 with workers loses its workers' exit status (pgjones/hypercorn#269): it exits 0.
+gunicorn's arbiter halts with 3 ("worker failed to boot"), or 1 when the second worker's failure
+reaches it while it is already halting (seen once in a full run)."""
 
 OURS = "idem-servers-test"
 """The name of the test's own connections to the throwaway Redis."""
@@ -275,4 +277,4 @@ async def test_each_server_refuses_to_serve_a_store_that_can_never_work(server: 
             await asyncio.to_thread(instance.stop)
     log = instance.log.read_text(errors="replace")  # all of it: tracebacks can push the cause out of a tail
     assert "the idempotency store refuses this app" in log and "password in the Redis URL" in log, log
-    assert code == EXIT_ON_BAD_STORE[server], (code, log)
+    assert code in EXIT_ON_BAD_STORE[server], (code, log)

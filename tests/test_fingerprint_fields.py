@@ -11,6 +11,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+import idem_asgi._fields
 from idem_asgi import Fields
 from idem_asgi.backends import Backend
 from idem_asgi.errors import ConfigurationError
@@ -137,6 +138,7 @@ COLLIDING: list[tuple[str, Fields, bytes, bytes, bool]] = [
     ("a float is not an int", Fields(ignore=["nonce"]), b'{"amount": 1e0}', b'{"amount": 1}', False),
     ("a ; splits fields for some parsers", Fields(only=["amount"]), b"a=1;amount=5", b"a=1;amount=6", True),
     ("an escaped name is the name", Fields(only=["amount"]), b"%61mount=5", b"%61mount=6", True),
+    ("a newline ends no name", Fields(ignore=["a"]), b"x=1&a%0A", b"x=1", True),
 ]
 
 
@@ -269,7 +271,9 @@ def form_name(draw: st.DrawFn, path: tuple[Any, ...]) -> str:
     """A form field name along `path` (cut short or run on, sometimes), or an odd one."""
     if not path or not isinstance(path[0], str) or draw(st.integers(0, 5)) == 0:
         return draw(
-            st.sampled_from(["a", "a[]", "a[][p]", "a.b", "b", "", "a[", "a]b", "[x]", "a[b]c", "a[00]", "a[x.y]"])
+            st.sampled_from(
+                ["a", "a[]", "a[][p]", "a.b", "b", "", "a[", "a]b", "[x]", "a[b]c", "a[00]", "a[x.y]", "a\n"]
+            )
         )
     cut = draw(st.integers(1, len(path)))
     name = path[0]
@@ -364,6 +368,22 @@ def test_form_fingerprints_are_equal_exactly_when_the_documented_rule_says(data:
     fields = Fields(only=[render_path(p) for p in only], ignore=[render_path(p) for p in ignore])
     a, b = (b"a.b&a&a&a", b"a.b&a&a&a&a.b") if data is None else data.draw(form_pair(rule))
     assert (fp(fields, a, FORM) == fp(fields, b, FORM)) == form_equal(a, b, only, ignore), (a, b, only, ignore)
+
+
+def test_a_form_larger_than_a_slice_is_read_like_a_small_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large forms are matched in pieces of whole fields (~64 KiB; 40 bytes here, so that pieces
+    end everywhere): whichever field a piece starts or ends with, it is neither lost nor split."""
+    monkeypatch.setattr(idem_asgi._fields, "_SLICE", 40)
+    only: list[tuple[Any, ...]] = [("amount",), ("items", None, "price")]
+    ignore: list[tuple[Any, ...]] = [("items", 1, "price")]
+    rule = Fields(only=["amount", "items[].price"], ignore=["items[1].price"])
+    fields = ["amount=5"] + [f"items%5B{i}%5D%5B{name}%5D={i}" for i in range(12) for name in ("price", "note")]
+    body = "&".join(fields).encode()
+    for i, field in enumerate(fields):
+        other = "&".join([*fields[:i], field + "0", *fields[i + 1 :]]).encode()
+        expected = form_equal(body, other, only, ignore)
+        assert expected == ("note" in field or "%5B1%5D%5Bprice" in field), field  # the oracle agrees with us
+        assert (fp(rule, body, FORM) == fp(rule, other, FORM)) == expected, field
 
 
 @given(st.binary(max_size=200) | st.sampled_from([b".", b"[]", b"..", b"[", b"a.=1", b"=&=", b"%ff=1", b'"\\ud800"']))
