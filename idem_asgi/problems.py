@@ -152,7 +152,9 @@ FINGERPRINT_MISMATCH: Final = ProblemType(
     happened="This key was already used for a different request (a different method, path, query or body, as "
     "far as the route's fingerprint compares them).",
     to_do="this is a client bug: one key must name one operation. Use a new key for a new operation; to "
-    "repeat the old one, send its original request unchanged. Nothing ran.",
+    "repeat the old one, send its original request unchanged. Nothing ran. (One exception: right after a "
+    "server upgrade that changed how a route compares bodies, such as the new `Fields` encoding, a retry of a "
+    "request answered before the upgrade gets this answer too; the first request did run, once.)",
 )
 OUTCOME_UNKNOWN: Final = ProblemType(
     "outcome-unknown",
