@@ -122,6 +122,34 @@ async def test_noscript_falls_back_and_the_script_is_cached_again(throwaway: Red
         await conn.aclose()
 
 
+async def test_a_call_on_a_stalled_server_waits_out_the_timeout_once_pool_wait_included(
+    throwaway: RedisProcess,
+) -> None:
+    """A call that first waits for a pooled connection (the one connection is stuck on the stalled
+    server), then gets a slot and connects, still fails `timeout` after it began: one deadline for
+    the pool wait, the connect and the reply (with two, it took 2 x timeout)."""
+    conn = RespPool.from_url(throwaway.url, timeout=0.4, max_connections=1)
+    assert conn is not None
+    try:
+        assert await conn.execute("PING") == b"PONG"
+        throwaway.signal(signal.SIGSTOP)
+        try:
+            first = asyncio.ensure_future(conn.execute("INCR", "n"))
+            await asyncio.sleep(0.1)
+            started = time.monotonic()
+            with pytest.raises(redis_errors.TimeoutError):
+                await conn.execute("INCR", "n")  # waits for the slot, gets it at 0.3 s, connects, sends
+            elapsed = time.monotonic() - started
+            with pytest.raises(redis_errors.TimeoutError):
+                await first
+        finally:
+            throwaway.signal(signal.SIGCONT)
+        assert 0.35 < elapsed < 0.55, elapsed
+        assert await conn.execute("PING") == b"PONG"
+    finally:
+        await conn.aclose()
+
+
 async def test_stalled_server_times_out_aborts_and_reconnects(throwaway: RedisProcess) -> None:
     conn = lean(throwaway.url, timeout=0.3)
     admin = aioredis.Redis(port=throwaway.port)

@@ -11,7 +11,8 @@ Failure semantics follow redis-py with a socket timeout:
 - connect (and AUTH, SELECT) is bounded by `connect_timeout` (redis-py's `socket_connect_timeout`);
   a refused connect is a `ConnectionError`, a slow one a `TimeoutError`; concurrent callers share
   one connect attempt;
-- a call not answered within `timeout` fails with `TimeoutError` and its connection is aborted
+- a call not done within `timeout` (the wait for a pooled connection, a connect and the reply
+  share one deadline) fails with `TimeoutError`; a reply late by then aborts its connection
   (any other call pending on it fails with `TimeoutError` too: its reply is stuck behind the same
   stall). One lazy watchdog timer per connection checks the oldest call's deadline; no per-call
   timer and no `wait_for`;
@@ -66,26 +67,27 @@ class _Protocol(asyncio.Protocol):
         if self.closed:  # aborted before uvloop reported the connection
             transport.abort()  # type: ignore[attr-defined]
 
-    def send(self, packed: bytes) -> asyncio.Future[Any]:
+    def send(self, packed: bytes, deadline: float | None = None) -> asyncio.Future[Any]:
+        """Write one command; its reply is due by `deadline` (loop time; default `timeout` from now)."""
         fut = self.loop.create_future()
         if self.closed:  # lost between the pool handing it out and this call
             fut.set_exception(redis_errors.ConnectionError("connection lost"))
             return fut
-        deadline = self.loop.time() + self.timeout
+        if deadline is None:
+            deadline = self.loop.time() + self.timeout
         self.pending.append((fut, deadline))
         self.transport.write(packed)
         if self.timer is None:
             self.timer = self.loop.call_at(deadline, self._watchdog)
         return fut
 
-    def send_many(self, packed: bytes, count: int) -> list[asyncio.Future[Any]]:
+    def send_many(self, packed: bytes, count: int, deadline: float) -> list[asyncio.Future[Any]]:
         """`count` commands packed together, written at once: one future per reply, in order."""
         futures = [self.loop.create_future() for _ in range(count)]
         if self.closed:
             for fut in futures:
                 fut.set_exception(redis_errors.ConnectionError("connection lost"))
             return futures
-        deadline = self.loop.time() + self.timeout
         self.pending.extend((fut, deadline) for fut in futures)
         self.transport.write(packed)
         if self.timer is None:
@@ -259,8 +261,11 @@ class RespPool:
         return Script(self, source)
 
     async def execute(self, *args: Any) -> Any:
-        """Send one command on a connection of its own and await the reply."""
+        """Send one command on a connection of its own and await the reply, all within `timeout`:
+        the wait for a pooled connection, a connect and the reply share one deadline, so a stalled
+        server fails a call after `timeout`, not after a pool wait plus a reply wait."""
         packed = _pack(args)
+        deadline = None
         idle = self._idle
         proto = None
         while idle:
@@ -270,9 +275,10 @@ class RespPool:
             self._all.discard(proto)
             proto = None
         if proto is None:
-            proto = await self._acquire()
+            deadline = asyncio.get_running_loop().time() + self.timeout
+            proto = await self._acquire(deadline)
         try:
-            reply = await proto.send(packed)
+            reply = await proto.send(packed, deadline)
         except BaseException as exc:
             if not isinstance(exc, redis_errors.RedisError):  # cancelled: its reply would still come
                 proto.abort(redis_errors.ConnectionError("call cancelled"))
@@ -285,9 +291,10 @@ class RespPool:
         """Send `commands` pipelined on one connection (so a `WAIT` among them covers the writes
         before it); each reply, or the `RedisError` it was, in order. A lost connection raises."""
         packed = b"".join(_pack(c) for c in commands)
-        proto = await self._acquire_idle()
+        deadline = asyncio.get_running_loop().time() + self.timeout
+        proto = await self._acquire_idle(deadline)
         try:
-            replies = await asyncio.gather(*proto.send_many(packed, len(commands)), return_exceptions=True)
+            replies = await asyncio.gather(*proto.send_many(packed, len(commands), deadline), return_exceptions=True)
         except BaseException:  # cancelled: the replies would still come
             proto.abort(redis_errors.ConnectionError("call cancelled"))
             self._release(proto)
@@ -298,14 +305,14 @@ class RespPool:
                 raise reply  # the connection failed (or timed out): nothing is known
         return replies
 
-    async def _acquire_idle(self) -> _Protocol:
+    async def _acquire_idle(self, deadline: float) -> _Protocol:
         idle = self._idle
         while idle:
             proto = idle.pop()
             if not proto.closed:
                 return proto
             self._all.discard(proto)
-        return await self._acquire()
+        return await self._acquire(deadline)
 
     def _release(self, proto: _Protocol | None) -> None:
         """Hand `proto` to the first waiter, or back to the idle list; None (or closed): a free slot."""
@@ -321,14 +328,16 @@ class RespPool:
         if proto is not None:
             self._idle.append(proto)
 
-    async def _acquire(self) -> _Protocol:
+    async def _acquire(self, deadline: float) -> _Protocol:
+        """A connection by `deadline`: a pooled one handed back, or a new one while there is room."""
         if self._closed:
             raise redis_errors.ConnectionError("connection pool closed by aclose()")
+        loop = asyncio.get_running_loop()
         if self.connections >= self.max_connections:
-            waiter: asyncio.Future[_Protocol | None] = asyncio.get_running_loop().create_future()
+            waiter: asyncio.Future[_Protocol | None] = loop.create_future()
             self._waiters.append(waiter)
             try:
-                proto = await asyncio.wait_for(waiter, self.timeout)
+                proto = await asyncio.wait_for(waiter, max(0.0, deadline - loop.time()))
             except BaseException as exc:
                 if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                     self._release(waiter.result())  # handed over as we gave up: pass it on
@@ -341,7 +350,7 @@ class RespPool:
                 return proto
         self._opening += 1
         try:
-            proto = await self._connect()
+            proto = await self._connect(min(self.connect_timeout, max(0.0, deadline - loop.time())))
         except BaseException:
             self._opening -= 1
             self._release(None)
@@ -350,10 +359,9 @@ class RespPool:
         self._all.add(proto)
         return proto
 
-    async def _connect(self) -> _Protocol:
+    async def _connect(self, connect_timeout: float) -> _Protocol:
         loop = asyncio.get_running_loop()
         timeout = self.timeout
-        connect_timeout = self.connect_timeout
         made: list[_Protocol] = []
 
         def factory() -> _Protocol:
