@@ -89,6 +89,20 @@ async def test_the_plain_url_serves_concurrent_requests_through_a_transaction_po
         await backend.aclose()
 
 
+async def test_held_repeats_poll_through_a_transaction_pooler_where_listen_cannot_work(bouncer: str) -> None:
+    """LISTEN needs its session: behind a transaction pooler the backend opens no listening
+    connection and `watch` says None, so a repeat held on another process's claim polls."""
+    backend = PostgresBackend.from_dsn(bouncer, table=f"idem_pgb_{uuid.uuid4().hex[:8]}")
+    try:
+        key = RecordKey.build("pgb-watch", None, uuid.uuid4().hex)
+        claimed = await backend.claim(key, b"f", lease=10, ttl=60)
+        assert isinstance(claimed, Claimed)
+        assert await backend.watch(key, claimed.token, lambda digest: None) is None
+        assert backend._notices is None
+    finally:
+        await backend.aclose()
+
+
 async def test_a_uvicorn_storm_through_a_transaction_pooler_runs_each_key_once(bouncer: str, tmp_path: Path) -> None:
     """100 keys x 8 duplicates through uvicorn (100 in flight, clients retrying 409 and 503), then
     every key again and fresh keys (`tests/support/failover.py`, with no fault): one execution

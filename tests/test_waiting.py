@@ -2,7 +2,8 @@
 
 In one process the holder hands its answer to the repeats it holds, so they make no store call
 while it runs; a holder in another process (here: another middleware on the same store) is
-noticed by polling with backoff. Counted through a store wrapper, on every real store. A held
+told by the store when it ends (Redis pub/sub, Postgres LISTEN/NOTIFY), or else noticed by
+polling with backoff. Counted through a store wrapper, on every real store. A held
 repeat is woken once, by the end it waits for (counted: the futures it made), never by a timer of
 its own, so holding 10,000 costs what adding them did (benchmarks/bench_held.py).
 """
@@ -15,16 +16,18 @@ import uuid
 from collections import Counter
 from typing import Any
 
+import asyncpg
 import pytest
 import redis.asyncio as aioredis
 
 from idem_asgi import IdempotencyMiddleware, RoutePolicy
 from idem_asgi._waiting import Waiters
 from idem_asgi.backends import Backend
+from idem_asgi.backends.postgres import PostgresBackend
 from idem_asgi.backends.redis import RedisBackend
 from tests.support.pay import Payments, post
-from tests.support.servers import RedisProcess, wait_until
-from tests.support.stores import Counting
+from tests.support.servers import POSTGRES_DSN, RedisProcess, require, wait_until
+from tests.support.stores import TEST_TABLE, Counting
 
 
 class Gated(Payments):
@@ -100,8 +103,8 @@ async def test_repeats_of_a_released_request_ask_the_store_again_and_one_of_them
 
 
 async def test_a_repeat_held_on_a_holder_in_another_process_is_told_or_polls(backend: Backend, namespace: str) -> None:
-    """Redis tells the waiting process when the claim ends (claim, watch, claim: three calls however
-    long the holder runs); Postgres is polled with backoff (bounded)."""
+    """The store tells the waiting process when the claim ends (claim, watch, claim: three calls
+    however long the holder runs), Redis by pub/sub and Postgres by LISTEN/NOTIFY."""
     if type(backend).__name__ == "MemoryBackend":
         pytest.skip("two processes never share a memory store")
     app = Gated()
@@ -116,13 +119,8 @@ async def test_a_repeat_held_on_a_holder_in_another_process_is_told_or_polls(bac
     app.gate.set()
     original, replayed = await first, await repeat
     assert replayed.replayed and replayed.body == original.body
-    if type(backend).__name__ == "RedisBackend":
-        assert store.calls == Counter({"claim": 2, "watch": 1})
-        assert replayed.elapsed < 1.0 + 0.5, "told at once"
-    else:
-        # The first claim, then polls 10 ms apart doubling to 250 ms: over the ~0.9 s hold that is
-        # at most 9 polls (a fixed 10 ms poll would make 90).
-        assert 2 <= store.calls["claim"] <= 10, store.calls
+    assert store.calls == Counter({"claim": 2, "watch": 1})
+    assert replayed.elapsed < 0.9 + 0.2, "told at once (a poll would wait up to 250 ms more)"
 
 
 class CountingWaiters(Waiters):
@@ -165,8 +163,8 @@ async def test_repeats_held_on_a_holder_in_their_process_are_woken_once_by_its_a
 async def test_a_repeat_held_on_a_holder_in_another_process_is_woken_only_by_the_notice(
     backend: Backend, namespace: str
 ) -> None:
-    if type(backend).__name__ != "RedisBackend":
-        pytest.skip("only Redis tells other processes (the others poll)")
+    if type(backend).__name__ == "MemoryBackend":
+        pytest.skip("two processes never share a memory store")
     app = Gated()
     holder = protect(app, backend, namespace)
     store = Counting(backend)
@@ -231,5 +229,41 @@ async def test_repeats_watching_read_their_record_again_when_the_notices_are_cut
         assert replayed.replayed and replayed.body == original.body
     finally:
         await admin.aclose()
+        await holder_store.aclose()
+        await other_store.aclose()
+
+
+@pytest.mark.postgres
+async def test_postgres_repeats_watching_read_their_record_again_when_the_listening_connection_is_cut() -> None:
+    """As on Redis: a NOTIFY sent while the LISTEN connection is down is never heard, so the cut
+    itself (here pg_terminate_backend of that connection) wakes every watching repeat."""
+    require("postgres", POSTGRES_DSN)
+    namespace = f"t-{uuid.uuid4().hex}"
+    holder_store = PostgresBackend.from_dsn(POSTGRES_DSN, table=TEST_TABLE)
+    other_store = PostgresBackend.from_dsn(POSTGRES_DSN, table=TEST_TABLE)
+    admin = await asyncpg.connect(POSTGRES_DSN)
+    try:
+        await holder_store.setup()
+        app = Gated()
+        holder = protect(app, holder_store, namespace)
+        store = Counting(other_store)
+        other = protect(Payments(), store, namespace, wait=10)
+        key = uuid.uuid4().hex
+        first = asyncio.create_task(post(holder, key))
+        await asyncio.wait_for(app.entered.wait(), 5)
+        repeat = asyncio.create_task(post(other, key))
+        await wait_until(lambda: store.calls["watch"] == 1, 5)
+        assert store.calls == Counter({"claim": 1, "watch": 1})
+        await wait_until(lambda: other_store._notices is not None and other_store._notices.connection is not None, 5)
+        notices = other_store._notices
+        assert notices is not None and notices.connection is not None, "listening"
+        assert await admin.fetchval("SELECT pg_terminate_backend($1)", notices.connection.get_server_pid())
+        await wait_until(lambda: store.calls["claim"] >= 2, 3)
+        assert store.calls["claim"] >= 2, "the cut woke the repeat: it read its record again"
+        app.gate.set()
+        original, replayed = await first, await repeat
+        assert replayed.replayed and replayed.body == original.body
+    finally:
+        await admin.close()
         await holder_store.aclose()
         await other_store.aclose()

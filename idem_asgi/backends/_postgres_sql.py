@@ -30,12 +30,15 @@ CREATE TABLE IF NOT EXISTS {table} (
     trailers    bytea,                           -- msgpack list of HTTP trailer pairs, NULL when none
     ttl         float8,                          -- seconds the record was claimed for (reconcile keeps that)
     sealed      boolean,                         -- the answer went through the app's transform (NULL: in clear)
+    watched     boolean,                         -- a repeat held in another process waits for this claim's end
+                                                 -- (watch): the end is NOTIFYed on the table's channel
     PRIMARY KEY (namespace, scope, key)          -- (namespace '', key E'\\x1fstore_keys': the settings row of
 );                                               -- an app with store_keys=True; migrate keeps raw keys then)
 ALTER TABLE {table} ADD COLUMN IF NOT EXISTS checkpoint text;
 ALTER TABLE {table} ADD COLUMN IF NOT EXISTS trailers bytea;
 ALTER TABLE {table} ADD COLUMN IF NOT EXISTS ttl float8;
 ALTER TABLE {table} ADD COLUMN IF NOT EXISTS sealed boolean;
+ALTER TABLE {table} ADD COLUMN IF NOT EXISTS watched boolean;
 CREATE INDEX IF NOT EXISTS {expires_index} ON {table} (expires_at);
 CREATE INDEX IF NOT EXISTS {inflight_index} ON {table} (lease_until) WHERE state <> 'c';
 """
@@ -45,6 +48,14 @@ _COLUMNS: Final = (
     "extract(epoch from expires_at)::float8 AS expires_at, status, headers, body, replayable, "
     "extract(epoch from now())::float8 AS now, checkpoint, trailers, ttl, sealed"
 )
+
+
+def _telling(change: str, at: int) -> str:
+    """`change` (an UPDATE or DELETE of one claim), answering its row count and telling a watcher."""
+    return (
+        f"WITH u AS ({change.strip()}\nRETURNING watched)\n"
+        f"SELECT count(*)::int, max(CASE WHEN watched THEN pg_notify(${at}, ${at + 1})::text END) FROM u"
+    )
 
 
 def index_name(table: str, suffix: str) -> str:
@@ -72,6 +83,7 @@ class Statements:
         "release",
         "stale",
         "takeover",
+        "watch",
     )
 
     def __init__(self, table: str) -> None:
@@ -90,7 +102,7 @@ class Statements:
         state = 'p', fingerprint = $4, token = $5, created_at = now(), ttl = $7::float8,
         lease_until = now() + $6::float8 * interval '1 second', expires_at = now() + $7::float8 * interval '1 second',
         status = NULL, headers = NULL, body = NULL, replayable = NULL, checkpoint = NULL, trailers = NULL,
-        sealed = NULL"""
+        sealed = NULL, watched = NULL"""
         self.claim = f"""
 WITH cur AS (
     SELECT {_COLUMNS}, {free} AS free FROM {t} AS r WHERE namespace = $1 AND scope = $2 AND key = $3
@@ -141,12 +153,29 @@ WHERE NOT EXISTS (SELECT 1 FROM cur WHERE live)
 """
         held = "namespace = $1 AND scope = $2 AND key = $3 AND token = $4"
         where = f"{held} AND state IN ('p', 'e')"
-        self.complete = f"""
+        # The statements that end a claim answer how many rows they changed, and NOTIFY the record's
+        # digest (their last two parameters: channel, digest) when a repeat elsewhere watches it;
+        # only then, as a NOTIFY serialises commits.
+        self.complete = _telling(
+            f"""
 UPDATE {t} SET state = 'c', status = $5, headers = $6, body = $7, replayable = $8, trailers = $10,
     sealed = $11, lease_until = now(), expires_at = now() + $9::float8 * interval '1 second'
-WHERE {where}"""
+WHERE {where}""",
+            12,
+        )
         # Never release a record whose effect committed ('e'): a retry must not run it again.
-        self.release = f"DELETE FROM {t} WHERE {held} AND state = 'p'"
+        self.release = _telling(f"DELETE FROM {t} WHERE {held} AND state = 'p'", 5)
+        # A repeat held in another process asks to be told when the claim `$4` ends: true (told),
+        # false (it ended already: read it again), NULL (its row is locked by a statement of the
+        # holder, e.g. an open transaction(): poll this time, never wait on the lock).
+        self.watch = f"""
+WITH w AS (
+    UPDATE {t} SET watched = true
+    WHERE ctid = (SELECT ctid FROM {t} WHERE {where} FOR UPDATE SKIP LOCKED) AND {where}
+    RETURNING true
+)
+SELECT CASE WHEN EXISTS (SELECT 1 FROM w) THEN true
+            WHEN EXISTS (SELECT 1 FROM {t} WHERE {where}) THEN NULL ELSE false END"""
         # Idempotent: a second transaction() block of the same request marks it again, harmlessly.
         self.effect = f"UPDATE {t} SET state = 'e' WHERE {held} AND state IN ('p', 'e')"
         self.holder = f"SELECT state FROM {t} WHERE {held}"
@@ -158,9 +187,12 @@ SELECT true FROM {t} WHERE namespace = $1 AND scope = $2 AND key = $3 AND token 
 UPDATE {t} SET lease_until = greatest(lease_until, now() + $5::float8 * interval '1 second'),
     expires_at = greatest(expires_at, now() + $5::float8 * interval '1 second') WHERE {where}"""
         # The holder failed mid-answer: lease over now; 'u' (never released), or 'e' kept as it is.
-        self.fail = f"""
+        self.fail = _telling(
+            f"""
 UPDATE {t} SET lease_until = least(lease_until, now()), state = CASE WHEN state = 'e' THEN 'e' ELSE 'u' END
-WHERE {where}"""
+WHERE {where}""",
+            5,
+        )
         self.get = f"""
 SELECT false, {_COLUMNS} FROM {t} WHERE namespace = $1 AND scope = $2 AND key = $3 AND expires_at > now()"""
         # Row locks are taken by the inner SELECT and skipped when held (a claim re-using an

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+from collections.abc import Callable
 from typing import Any, ClassVar, Final, Literal
 
 import anyio
@@ -28,6 +29,7 @@ from ..records import COMPLETED, IN_PROGRESS, Claimed, ClaimResult, Existing, Re
 from ..records import StaleRecord as StaleRecord  # re-exported: it was defined here before records.py
 from ._base import ClosingMixin, new_token
 from ._orphans import OrphanSweeper
+from ._postgres_notices import Notices, channel_of
 from ._postgres_sql import DDL, Statements, index_name
 
 try:
@@ -102,6 +104,9 @@ class PostgresBackend(ClosingMixin):
         self._orphans = OrphanSweeper(self._abandon_claim)
         self._runner = Runner(timeout, self.table)
         self.sql = Statements(self.table)
+        self._channel = channel_of(self.table)
+        self._notices: Notices | None = None  # opened by the first watch (from_dsn, no pooler)
+        self._pooled = False  # a transaction-mode pooler in front: LISTEN cannot work
 
     SCHEMES: ClassVar[tuple[str, ...]] = ("postgres", "postgresql")
 
@@ -197,6 +202,7 @@ class PostgresBackend(ClosingMixin):
         assert self._dsn is not None
         found = await probe_dsn(self._dsn, self._pool_options, self.timeout)
         self._runner.isolate = found.isolation != "read committed"
+        self._pooled = found.pooled
         if found.pooled:
             return {"statement_cache_size": 0, **self._pool_options}
         return self._pool_options
@@ -204,7 +210,7 @@ class PostgresBackend(ClosingMixin):
     async def _create(self, conn: Any) -> None:
         exists = "SELECT " + " AND ".join(f"to_regclass(${i}) IS NOT NULL" for i in range(1, len(self._relations) + 1))
         # (and the newest column: tables made by earlier releases get it from the DDL's ALTER)
-        exists += " AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'sealed')"
+        exists += " AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'watched')"
         if await conn.fetchval(exists, *self._relations, timeout=self.timeout):
             return  # nothing to do, and no lock taken on a table that is serving
         # CREATE ... IF NOT EXISTS is not safe against itself: two workers starting together can
@@ -358,8 +364,9 @@ class PostgresBackend(ClosingMixin):
             trailers,
             response.sealed or None,
         )
-        status, retried = await self._runner.run_again(pool, "execute", self.sql.complete, *args, *payload)
-        if status == "UPDATE 1":
+        told = (self._channel, key.digest)
+        changed, retried = await self._runner.run_again(pool, "fetchval", self.sql.complete, *args, *payload, *told)
+        if changed == 1:
             return True
         if retried:
             # The first attempt may have committed before the connection broke: a record completed
@@ -370,8 +377,9 @@ class PostgresBackend(ClosingMixin):
     async def release(self, key: RecordKey, token: int) -> bool:
         pool = await self._get_pool()
         # Safe to run twice: a second DELETE under the same token finds nothing (False, harmlessly).
-        status, _ = await self._runner.run_again(pool, "execute", self.sql.release, *self._id(key), token)
-        return bool(status == "DELETE 1")
+        args = (*self._id(key), token, self._channel, key.digest)
+        changed, _ = await self._runner.run_again(pool, "fetchval", self.sql.release, *args)
+        return bool(changed == 1)
 
     async def extend(self, key: RecordKey, token: int, *, lease: float) -> bool:
         pool = await self._get_pool()
@@ -380,8 +388,28 @@ class PostgresBackend(ClosingMixin):
 
     async def mark_failed(self, key: RecordKey, token: int) -> bool:
         pool = await self._get_pool()
-        status, _ = await self._runner.run_again(pool, "execute", self.sql.fail, *self._id(key), token)
-        return bool(status == "UPDATE 1")
+        args = (*self._id(key), token, self._channel, key.digest)
+        changed, _ = await self._runner.run_again(pool, "fetchval", self.sql.fail, *args)
+        return bool(changed == 1)
+
+    async def watch(self, key: RecordKey, token: int, on_change: Callable[[str | None], None]) -> bool | None:
+        """Have `on_change(digest)` called when the claim `token` of `key` ends (a NOTIFY on the
+        table's channel, heard by one LISTEN connection per backend); `on_change(None)`: notices
+        were interrupted, any claim may have ended unseen.
+
+        True: it will be told. False: it ended already (read it again). None: no notices now (a
+        pool of the app's own or a transaction-mode pooler, where LISTEN cannot work; the row
+        locked by the holder; the listening connection not up within `timeout`): poll instead.
+        """
+        pool = await self._get_pool()  # (probes for a pooler)
+        if self._dsn is None or self._pooled:
+            return None
+        if self._notices is None:
+            self._notices = Notices(self._dsn, self._channel, self.timeout)
+        if not await self._notices.listen(on_change, self.timeout):
+            return None
+        watching = await self._runner.run(pool, "fetchval", self.sql.watch, *self._id(key), token)
+        return None if watching is None else bool(watching)
 
     async def checkpoint(self, step: str, *, key: RecordKey | None = None, token: int | None = None) -> None:
         """Record how far the running handler got (e.g. `"charged ch_123"`) on its claim's row.
@@ -496,8 +524,8 @@ class PostgresBackend(ClosingMixin):
     async def _abandon_claim(self, entry: tuple[RecordKey, int]) -> bool:
         key, token = entry
         pool = await self._get_pool()
-        status = await self._runner.run(pool, "execute", self.sql.release, *self._id(key), token)
-        if status == "DELETE 1":
+        args = (*self._id(key), token, self._channel, key.digest)
+        if await self._runner.run(pool, "fetchval", self.sql.release, *args) == 1:
             logger.info("idem_asgi: removed an unanswered claim on key %r", key.key)
             return True
         return False
@@ -505,6 +533,8 @@ class PostgresBackend(ClosingMixin):
     async def aclose(self) -> None:
         """Stop the sweep and close the pool if `from_dsn` made it (after connections still being handed back)."""
         await self._orphans.aclose()
+        if self._notices is not None:
+            await self._notices.aclose()
         await self._runner.drain()
         if self._owned and self._pool is not None:
             pool, self._pool = self._pool, None

@@ -1,0 +1,101 @@
+"""One `LISTEN` connection per `PostgresBackend`, for repeats held in this process on a claim held
+in another: the statements that end a watched claim `NOTIFY` its digest on the table's channel.
+
+Opened on the first `watch` (a connection of its own, outside the pool: a pooled one would go
+back with the subscription on it). A notice sent while it is down is never seen, so each drop
+tells every listener `None` ("anything may have changed"): held repeats read their records
+again, and poll until it is back. A connection that dies silently is found by a ping every
+`PING_EVERY` seconds. Behind a transaction-mode pooler (PgBouncer) `LISTEN` does not work, and
+the backend never opens one (repeats poll, as before).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import asyncpg
+
+logger = logging.getLogger("idem_asgi")
+
+PING_EVERY = 5.0
+
+
+def channel_of(table: str) -> str:
+    """The table's channel: a short identifier (channels are names of at most 63 bytes)."""
+    return "idem_" + hashlib.sha256(table.encode()).hexdigest()[:24]
+
+
+class Notices:
+    def __init__(self, dsn: str, channel: str, timeout: float) -> None:
+        self._dsn = dsn
+        self._channel = channel
+        self._timeout = timeout
+        self._listeners: list[Callable[[str | None], None]] = []
+        self._task: asyncio.Task[None] | None = None
+        self._ready: asyncio.Event | None = None
+        self.connection: Any = None  # the listening connection, while it is up (tests cut it)
+
+    async def listen(self, on_change: Callable[[str | None], None], timeout: float) -> bool:
+        """Call `on_change(digest)` for every notified end (`None` when notices were interrupted);
+        True once listening (within `timeout`)."""
+        if on_change not in self._listeners:
+            self._listeners.append(on_change)
+        if self._task is None or self._task.done():
+            self._ready = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run(self._ready))
+        assert self._ready is not None
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def _run(self, ready: asyncio.Event) -> None:
+        delay = 0.1
+        while True:
+            lost = asyncio.Event()
+            conn: Any = None
+            try:
+                conn = await asyncpg.connect(self._dsn, timeout=self._timeout, statement_cache_size=0)
+                conn.add_termination_listener(lambda _conn, lost=lost: lost.set())
+                await conn.add_listener(self._channel, self._notified)
+                self.connection = conn
+                ready.set()
+                delay = 0.1
+                while not lost.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(lost.wait(), PING_EVERY)
+                        break
+                    await conn.fetchval("SELECT 1", timeout=self._timeout)
+            except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                logger.info("idem_asgi: postgres notices interrupted (%r); listening again", exc)
+            finally:
+                self.connection = None
+                if conn is not None:
+                    conn.terminate()
+            ready.clear()
+            self._tell_all(None)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    def _notified(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
+        self._tell_all(payload)
+
+    def _tell_all(self, digest: str | None) -> None:
+        for listener in self._listeners:
+            try:
+                listener(digest)
+            except Exception:  # pragma: no cover - the middleware's listener does not raise
+                logger.exception("idem_asgi: a notice listener failed")
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
