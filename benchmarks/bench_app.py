@@ -12,7 +12,8 @@ Routes:
 
 Selected by environment variables (read once, at start-up):
 - `IDEM_BENCH_BACKEND`: empty or `none` for the bare app; else `memory://`, `redis://...` or
-  `postgresql://...` for IdempotencyMiddleware on that store.
+  `postgresql://...` for IdempotencyMiddleware on that store; `floor:capture` / `floor:forward`
+  for the floors of `benchmarks/floors.py` (a minimal capture middleware, a forwarding one).
 - `IDEM_BENCH_REDIS_CLIENT=1`: the Redis store over the user's own `redis.asyncio.Redis` client.
 - `IDEM_BENCH_PREFIX` (Redis key prefix), `IDEM_BENCH_TABLE` (Postgres table), `IDEM_BENCH_TTL`
   (route TTL in seconds, short so benchmark records do not linger in a shared store; the lease
@@ -140,10 +141,15 @@ def protect(app: FastAPI, backend_url: str) -> FastAPI:
     return app
 
 
-def create_app() -> FastAPI:
-    """uvicorn factory: bare or protected, as `IDEM_BENCH_BACKEND` says."""
+def create_app() -> Any:
+    """uvicorn factory: bare, protected, or behind a floor (`floor:capture`, `floor:forward`:
+    benchmarks/floors.py), as `IDEM_BENCH_BACKEND` says."""
     app = build_bare()
     url = os.environ.get("IDEM_BENCH_BACKEND", "").strip()
+    if url.startswith("floor:"):
+        from benchmarks.floors import floor_app
+
+        return floor_app(url.partition(":")[2], app)
     if url and url != "none":
         protect(app, url)
     return app

@@ -45,9 +45,21 @@ from idem_asgi._types import Receive, Scope, Send
 from tests.support.servers import POSTGRES_DSN, REDIS_URL, reachable
 
 CASES = ("passthrough", "new-key", "replay")
-BACKENDS = ("memory", "redis", "redis-client", "postgres")
-"""`redis` is `RedisBackend.from_url`; `redis-client` a `RedisBackend` over the user's own redis-py client."""
-TARGETS = {"memory": 0.95, "redis": 0.85, "redis-client": 0.80, "postgres": 0.65}  # new-key, ours/bare req/s
+BACKENDS = ("memory", "redis", "redis-client", "postgres", "floor", "forward")
+"""`redis` is `RedisBackend.from_url`; `redis-client` a `RedisBackend` over the user's own redis-py client;
+`floor` the minimal capture middleware and `forward` a forwarding one (benchmarks/floors.py), measured
+in the same rounds so each report shows the distance to the least such a middleware can cost."""
+FLOORS = ("floor", "forward")
+TARGETS: dict[str, float | None] = {  # new-key, ours/bare req/s
+    "memory": 0.95,
+    "redis": 0.85,
+    "redis-client": 0.80,
+    "postgres": 0.65,
+    "floor": None,
+    "forward": None,
+}
+FLOOR_TARGET = 0.95  # memory's new-key ratio over the capture floor's, same run
+INSTRUCTION_TARGETS = {"new-key": 55_000, "replay": 40_000}  # the middleware's own, memory store (callgrind)
 REPLAY_TARGET = 1.0  # every store: a replay must be cheaper than running the no-op handler
 BODY = b'{"amount": 100}'
 
@@ -244,6 +256,8 @@ def backend_url(name: str, args: argparse.Namespace) -> str:
         "redis": args.redis_url,
         "redis-client": args.redis_url,
         "postgres": args.postgres_dsn,
+        "floor": "floor:capture",
+        "forward": "floor:forward",
     }
     url: str = urls[name]
     return url
@@ -352,6 +366,23 @@ async def server_mode(args: argparse.Namespace) -> int:
     return 0
 
 
+def print_floor_distance(rows: list[dict[str, Any]]) -> None:
+    """Each store's new-key ratio beside the floors', and memory's against the capture floor."""
+    by = {(r["backend"], r["case"]): r["ratio"] for r in rows}
+    floor, forward = by.get(("floor", "new-key")), by.get(("forward", "new-key"))
+    if floor is None:
+        return
+    shown = f"capture floor {floor:.2f}" + (f", forward {forward:.2f}" if forward is not None else "")
+    print(f"floors (new-key, ratio to bare, same run): {shown}")
+    for b in ("memory", "redis", "redis-client", "postgres"):
+        if (b, "new-key") in by:
+            print(f"  {b}: {by[(b, 'new-key')]:.2f} = {by[(b, 'new-key')] / floor:.2f} of the capture floor")
+    if ("memory", "new-key") in by:
+        over = by[("memory", "new-key")] / floor
+        met = "met" if over >= FLOOR_TARGET else "MISSED"
+        print(f"target memory new-key ours/floor: {over:.2f} (goal >= {FLOOR_TARGET:.2f}) {met}")
+
+
 def ratio_stats(pair: Pair) -> tuple[float, float, float]:
     ratios = [o.rps / b.rps for b, o in zip(pair.bare, pair.ours, strict=True) if b.rps > 0]
     if not ratios:
@@ -379,6 +410,8 @@ def report(
             bare_rps = statistics.median(s.rps for s in pair.bare)
             ours_rps = statistics.median(s.rps for s in pair.ours)
             target = {"new-key": TARGETS[b], "replay": REPLAY_TARGET, "passthrough": 1.0}[case]
+            if b in FLOORS:
+                target = None
             row: dict[str, Any] = {
                 "kind": "summary",
                 "backend": b,
@@ -448,6 +481,7 @@ def report(
             met = "met" if r["ratio"] >= r["target"] else "MISSED"
             what = f"target {r['backend']} {r['case']} ours/bare req/s"
             print(f"{what}: {r['ratio']:.2f} (goal >= {r['target']:.2f}) {met}")
+    print_floor_distance(rows)
     if lat_rows and any(r["samples"] for r in lat_rows):
         print()
         print("Sequential latency (concurrency 1, interleaved request by request), ms")
@@ -523,7 +557,7 @@ async def valgrind_mode(args: argparse.Namespace) -> int:
     prefix = f"idem-bench:{run}:"
     table = f"idem_bench_{run}"
     backends = [b for b in args.backends.split(",") if b]
-    backends = [b for b in backends if b == "memory" or reachable(backend_url(b, args))]
+    backends = [b for b in backends if b in ("memory", *FLOORS) or reachable(backend_url(b, args))]
     cases = [c for c in args.cases.split(",") if c]
     n = args.valgrind_requests
     common = {"IDEM_BENCH_PREFIX": prefix, "IDEM_BENCH_TABLE": table, "IDEM_BENCH_TTL": str(args.ttl),
@@ -575,9 +609,20 @@ async def valgrind_mode(args: argparse.Namespace) -> int:
             bare = counts.get(("bare", case))
             if name == "bare" or not bare:
                 continue
-            target = f"{TARGETS[name]:.2f}" if case == "new-key" else "-"
+            goal = TARGETS[name]
+            target = f"{goal:.2f}" if case == "new-key" and goal is not None else "-"
             print(f"{name:<13}{case:<12}{bare:>12,.0f}{per_request:>12,.0f}{per_request - bare:>10,.0f}"
                   f"{bare / per_request:>7.2f}{target:>8}")  # fmt: skip
+        print()
+        for case, goal in INSTRUCTION_TARGETS.items():
+            ours, bare = counts.get(("memory", case)), counts.get(("bare", case))
+            if ours is None or bare is None:
+                continue
+            floor = counts.get(("floor", case))
+            beside = f"; the capture floor adds {floor - bare:,.0f}" if floor is not None else ""
+            met = "met" if ours - bare <= goal else "MISSED"
+            print(f"target memory {case} middleware instructions/request: {ours - bare:,.0f} "
+                  f"(goal <= {goal:,}{beside}) {met}")  # fmt: skip
     return 0
 
 

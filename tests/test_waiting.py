@@ -267,3 +267,29 @@ async def test_postgres_repeats_watching_read_their_record_again_when_the_listen
         await admin.close()
         await holder_store.aclose()
         await other_store.aclose()
+
+
+async def test_many_repeats_held_on_a_holder_in_another_process_are_all_told_none_polls(
+    backend: Backend, namespace: str
+) -> None:
+    """50 repeats in one process held on one claim of another: each claims, watches, and claims
+    once more after the end, however long the hold (on Postgres they share one row update, which
+    they would otherwise find locked by each other, and poll)."""
+    if type(backend).__name__ == "MemoryBackend":
+        pytest.skip("two processes never share a memory store")
+    app = Gated()
+    holder = protect(app, backend, namespace)
+    store = Counting(backend)
+    other = protect(Payments(), store, namespace, wait=10)
+    key = uuid.uuid4().hex
+    first = asyncio.create_task(post(holder, key))
+    await asyncio.wait_for(app.entered.wait(), 5)
+    repeats = [asyncio.create_task(post(other, key)) for _ in range(50)]
+    await wait_until(lambda: store.calls["watch"] == 50, 5)
+    await asyncio.sleep(1.5)  # longer than the longest poll interval
+    assert store.calls == Counter({"claim": 50, "watch": 50}), "nobody polled"
+    app.gate.set()
+    original = await first
+    answers = await asyncio.gather(*repeats)
+    assert {(a.status, a.body, a.replayed) for a in answers} == {(201, original.body, True)}
+    assert store.calls == Counter({"claim": 100, "watch": 50})

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import asyncpg
@@ -23,6 +23,7 @@ import asyncpg
 logger = logging.getLogger("idem_asgi")
 
 PING_EVERY = 5.0
+WATCHED_MAX = 10_000  # keys remembered as watched; past it all are forgotten (repeats ask again)
 
 
 def channel_of(table: str) -> str:
@@ -39,6 +40,45 @@ class Notices:
         self._task: asyncio.Task[None] | None = None
         self._ready: asyncio.Event | None = None
         self.connection: Any = None  # the listening connection, while it is up (tests cut it)
+        # Claims (digest, token) this process has marked watched and not yet heard end: the next
+        # repeat held on one needs no row update (many repeats held on one key make one).
+        self._watched: dict[str, set[int]] = {}
+
+        self._marking: dict[tuple[str, int], asyncio.Future[Any]] = {}
+
+    async def mark(self, digest: str, token: int, update: Callable[[], Awaitable[Any]]) -> Any:
+        """Mark the claim watched by `update()` (its row update: True, False or None), once: a
+        repeat held on a claim marked already gets True; concurrent ones share the one update
+        (which would otherwise find the row locked by it, and poll)."""
+        if token in self._watched.get(digest, ()):
+            return True
+        pending = self._marking.get((digest, token))
+        if pending is not None:
+            try:
+                return await asyncio.shield(pending)
+            except asyncio.CancelledError:
+                if pending.cancelled():
+                    return None  # its caller was cancelled mid-update: poll this time
+                raise
+        pending = self._marking[(digest, token)] = asyncio.get_running_loop().create_future()
+        try:
+            result = await update()
+        except Exception as exc:
+            pending.set_exception(exc)
+            pending.exception()  # retrieved: a caller may not be waiting
+            raise
+        except BaseException:
+            pending.cancel()
+            raise
+        else:
+            pending.set_result(result)
+            if result:
+                if len(self._watched) >= WATCHED_MAX:
+                    self._watched.clear()  # holders that died tell nobody: never grow without bound
+                self._watched.setdefault(digest, set()).add(token)
+            return result
+        finally:
+            del self._marking[(digest, token)]
 
     async def listen(self, on_change: Callable[[str | None], None], timeout: float) -> bool:
         """Call `on_change(digest)` for every notified end (`None` when notices were interrupted);
@@ -87,6 +127,10 @@ class Notices:
         self._tell_all(payload)
 
     def _tell_all(self, digest: str | None) -> None:
+        if digest is None:
+            self._watched.clear()
+        else:
+            self._watched.pop(digest, None)
         for listener in self._listeners:
             try:
                 listener(digest)

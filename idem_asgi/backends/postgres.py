@@ -408,7 +408,10 @@ class PostgresBackend(ClosingMixin):
             self._notices = Notices(self._dsn, self._channel, self.timeout)
         if not await self._notices.listen(on_change, self.timeout):
             return None
-        watching = await self._runner.run(pool, "fetchval", self.sql.watch, *self._id(key), token)
+        # One row update per claim and process, however many repeats are held on it here.
+        watching = await self._notices.mark(
+            key.digest, token, lambda: self._runner.run(pool, "fetchval", self.sql.watch, *self._id(key), token)
+        )
         return None if watching is None else bool(watching)
 
     async def checkpoint(self, step: str, *, key: RecordKey | None = None, token: int | None = None) -> None:
