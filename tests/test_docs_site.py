@@ -32,7 +32,7 @@ from urllib.parse import urldefrag, urljoin, urlsplit
 
 import pytest
 
-from idem_asgi import IdempotencyMiddleware
+from idem_asgi import IdempotencyMiddleware, problem_pages, problems
 from tests.support.servers import ROOT, missing
 
 CHROMIUM = os.environ.get("IDEM_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
@@ -243,6 +243,17 @@ def test_the_readmes_links_land_on_the_site(built: Path) -> None:
             assert f'id="{anchor}"' in page.read_text(), target
         checked += 1
     assert checked >= 15
+
+
+def test_each_problem_type_has_its_anchor_and_the_served_pages_text(built: Path) -> None:
+    """The site's problem page and the middleware's own problem pages say the same, from one source."""
+    page = (built / "problems" / "index.html").read_text()
+    flat = " ".join(page.split())
+    for p in problems.DOCUMENTED:
+        assert f'id="{p.slug}"' in page, p.slug
+        section = flat[flat.index(f'id="{p.slug}"') :]
+        for text in (p.happened, p.to_do):
+            assert " ".join(problem_pages._text(text).split()) in section[:4000], (p.slug, text[:40])
 
 
 def test_the_api_reference_of_the_middleware_shows_its_parameters(site: str, page: Any, tmp_path: Path) -> None:
