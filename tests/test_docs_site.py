@@ -11,6 +11,7 @@ missing; under CI=true either fails the run."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import inspect
 import os
@@ -243,6 +244,26 @@ def test_the_readmes_links_land_on_the_site(built: Path) -> None:
             assert f'id="{anchor}"' in page.read_text(), target
         checked += 1
     assert checked >= 15
+
+
+REFERENCE = {"": "api", "backends": "api/backends", "client": "api/client", "jobs": "api/jobs"}
+REFERENCE |= {"consumers": "api/consumers", "testing": "api/testing"}
+"""Module (under idem_asgi) -> its reference page."""
+
+
+@pytest.mark.parametrize("module", sorted(REFERENCE))
+def test_the_api_reference_covers_every_public_name(module: str, built: Path) -> None:
+    """Everything in `__all__` (or, without one, every public class and function defined there)."""
+    name = f"idem_asgi.{module}".rstrip(".")
+    mod = importlib.import_module(name)
+    public = getattr(mod, "__all__", None) or [
+        n
+        for n, obj in vars(mod).items()
+        if not n.startswith("_") and getattr(obj, "__module__", "") == name and callable(obj)
+    ]
+    ids = set(re.findall(r'id="([^"]+)"', (built / REFERENCE[module] / "index.html").read_text()))
+    absent = [n for n in public if f"{name}.{n}" not in ids and f"{name}.{n}.{n}" not in ids]
+    assert absent == [], f"{name}: not in its reference page"
 
 
 def test_each_problem_type_has_its_anchor_and_the_served_pages_text(built: Path) -> None:
