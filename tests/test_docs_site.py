@@ -54,13 +54,10 @@ PAGES = ["", "get-started/", *GUIDES]
 the benchmark chart's pages have a test of their own; every page is fetched by the link test)."""
 
 
-def _require_tools() -> None:
-    needed = ("mkdocs", "material", "mkdocstrings_handlers.python", "playwright")
-    absent = [name for name in needed if importlib.util.find_spec(name.split(".")[0]) is None]
+def _require(*modules: str) -> None:
+    absent = [name for name in modules if importlib.util.find_spec(name) is None]
     if absent:
         missing(f"the docs extra is not installed ({', '.join(absent)}): run `python3 dev.py docs`", "docs extra")
-    if not Path(CHROMIUM).exists():
-        missing("chromium is not installed: `apt-get install chromium` (or set IDEM_CHROMIUM)", "browser")
 
 
 class _Quiet(SimpleHTTPRequestHandler):
@@ -71,7 +68,7 @@ class _Quiet(SimpleHTTPRequestHandler):
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The site, built strict from this checkout into a tmp dir (as `python3 dev.py docs` does)."""
-    _require_tools()
+    _require("mkdocs", "material", "mkdocstrings_handlers")
     out = tmp_path_factory.mktemp("site")
     started = time.monotonic()
     done = subprocess.run(
@@ -104,6 +101,10 @@ def site(built: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def browser(site: str) -> Iterator[Any]:
+    """Debian's headless chromium, driven by playwright (which downloads no browser of its own)."""
+    _require("playwright")
+    if not Path(CHROMIUM).exists():
+        missing("chromium is not installed: `apt-get install chromium` (or set IDEM_CHROMIUM)", "browser")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
