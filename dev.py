@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""Set up a local virtualenv and run a job in it: `python3 dev.py demo|test|bench|soak|wheel`.
+"""Set up a local virtualenv and run a job in it: `python3 dev.py demo|test|bench|soak|wheel|docs`.
 
 Needs nothing but Python 3.10+: it creates `.venv`, installs the package with its `dev`
-extra (again only when pyproject.toml changed), then runs the job inside it. `soak` is
+extra (again only when pyproject.toml changed), then runs the job inside it. `docs` installs the
+`docs` extra instead and builds the site with `mkdocs build --strict` into `site/`; `docs --serve`
+serves it on 127.0.0.1:8000 (further arguments go to mkdocs, e.g. `-a 127.0.0.1:9000`). `soak` is
 `python -m tools.soak` (the retry storms with 20 seeds, time-capped; `python3 dev.py soak --help`).
 `wheel` builds `dist/idem_asgi-<version>-py3-none-any.whl` (it needs only `.venv`'s pip, not the
 dev install) and prints its path.
@@ -23,19 +25,19 @@ BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 PY = BIN / "python"
 
 
-def setup() -> None:
-    """Create .venv and install `.[dev]` unless pyproject.toml is unchanged since the last install."""
+def setup(extra: str = "dev") -> None:
+    """Create .venv and install `.[extra]` unless pyproject.toml is unchanged since its last install."""
     if not PY.exists():
         print("dev.py: creating .venv", flush=True)
         venv.EnvBuilder(with_pip=True).create(VENV)
-    stamp = VENV / ".idem-installed"
+    stamp = VENV / (".idem-installed" if extra == "dev" else f".idem-installed-{extra}")
     digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
     if stamp.exists() and stamp.read_text() == digest:
         return
-    print("dev.py: installing idem-asgi[dev] into .venv", flush=True)
+    print(f"dev.py: installing idem-asgi[{extra}] into .venv", flush=True)
     pip = [str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
     subprocess.run([*pip, "--upgrade", "pip"], check=True)
-    subprocess.run([*pip, "-e", f"{ROOT}[dev]"], check=True)
+    subprocess.run([*pip, "-e", f"{ROOT}[{extra}]"], check=True)
     stamp.write_text(digest)
 
 
@@ -57,11 +59,23 @@ def run(*args: str) -> int:
     return subprocess.run([str(PY), *args], cwd=ROOT).returncode
 
 
+def docs(rest: list[str]) -> int:
+    """Build the site strict into site/ (broken links, anchors or references fail), or serve it."""
+    setup("docs")
+    os.environ.setdefault("NO_MKDOCS_2_WARNING", "1")  # Material's banner about its successor
+    if "--serve" in rest:
+        rest = [a for a in rest if a != "--serve"]
+        return run("-m", "mkdocs", "serve", "--strict", "-a", "127.0.0.1:8000", *rest)
+    return run("-m", "mkdocs", "build", "--strict", "--site-dir", str(ROOT / "site"), *rest)
+
+
 def main(argv: list[str]) -> int:
     job = argv[0] if argv else "test"
     rest = argv[1:]
     if job == "wheel":
         return wheel()
+    if job == "docs":
+        return docs(rest)
     setup()
     if job == "demo":
         return run("-m", "examples.storm_demo", *rest)
@@ -75,7 +89,7 @@ def main(argv: list[str]) -> int:
         return run("-m", "benchmarks.run_all", *rest)
     if job == "soak":
         return run("-m", "tools.soak", *rest)
-    print(f"usage: python3 dev.py demo|test|bench|soak|wheel [args...]; unknown job {job!r}", file=sys.stderr)
+    print(f"usage: python3 dev.py demo|test|bench|soak|wheel|docs [args...]; unknown job {job!r}", file=sys.stderr)
     return 2
 
 

@@ -308,7 +308,8 @@ def idempotent(
             unambiguous: see `_job_args`).
         fingerprint: The argument names compared on a repeat (default: all of them).
         scope: Called with the arguments, returns the owner (tenant) the key belongs to.
-        ttl, lease: As on a route; the lease is renewed while the function runs.
+        ttl: Seconds a result is kept and returned to repeats, as on a route.
+        lease: Seconds a claim lives without renewal, as on a route; renewed while the function runs.
         wait: Seconds a repeat of a running call waits for its result before `InProgress`.
         namespace: The key space; default `jobs:<module>.<qualified name>` of the function, so two
             functions keyed by the same arguments never return each other's results (pass one to

@@ -1,7 +1,8 @@
 """The README and docs hold together: every link resolves (a file that exists, a heading that
-exists, by GitHub's anchor rules), every README code snippet imports what it uses (the only names
-it may leave undefined are the reader's own objects, named as such in the prose), and every README
-snippet runs as printed (top-level `await` included), with stand-ins for those objects."""
+exists, by GitHub's anchor rules; the site build checks the same links by its own), every code
+snippet of the README and of the pages it moved to (`ALONE`) imports what it uses (the only names
+it may leave undefined are the reader's own objects, named as such in the prose), and each of them
+runs as printed, alone (top-level `await` included), with stand-ins for those objects."""
 
 from __future__ import annotations
 
@@ -16,13 +17,17 @@ from fastapi import FastAPI
 
 from idem_asgi.backends import Backend
 from tests.support.servers import REDIS_URL, ROOT, require
-from tests.support.snippets import compile_snippet, python_blocks, undefined_names
+from tests.support.snippets import ALONE, compile_snippet, python_blocks, section_of, undefined_names
 
-PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md"))]
 README = ROOT / "README.md"
+STANDALONE = [README, *(ROOT / "docs" / page for page in ALONE)]
+"""The pages whose snippets each run alone: the README and the pages its sections moved to."""
 YOURS = {"app", "provider", "fake_provider", "order_from", "record_charge"}
-"""The reader's own objects the README's snippets use without defining: their FastAPI app, their
+"""The reader's own objects these snippets use without defining: their FastAPI app, their
 payment provider's client (and its fake in tests), their request parsing and ORM writes."""
+API = ROOT / "docs" / "api"
+"""Pages mkdocstrings fills from the code: their anchors exist only in the built site."""
 
 
 def slug(heading: str) -> str:
@@ -60,17 +65,18 @@ def test_every_link_resolves_to_a_file_and_a_heading(page: Path) -> None:
         file = (page.parent / path).resolve() if path else page
         if not file.exists():
             broken.append(f"{target}: no such file")
-        elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+        elif anchor and file.suffix == ".md" and file.parent != API and anchor not in anchors(file):
             broken.append(f"{target}: no heading with that anchor in {file.name}")
     assert broken == []
 
 
-def test_sections_named_in_quotes_exist() -> None:
-    """`(see "Scope" below)` in a snippet's comment names a heading of the README."""
-    text = README.read_text()
+@pytest.mark.parametrize("page", STANDALONE, ids=lambda p: p.name)
+def test_sections_named_in_quotes_exist(page: Path) -> None:
+    """`(see "Scope" below)` in a snippet's comment names a heading of its own page."""
+    text = page.read_text()
     headings = {h.strip().strip("`") for h in re.findall(r"^#{1,6} (.+)$", text, re.M)}
     named = set(re.findall(r'see "([^"]+)"', text))
-    assert named and named <= headings, named - headings
+    assert named <= headings, named - headings
 
 
 def test_the_slug_rules_match_githubs() -> None:
@@ -82,22 +88,27 @@ def test_the_slug_rules_match_githubs() -> None:
     assert "five-lines-on-fastapi" in anchors(README)
 
 
-RUN_IN_TEST_README = {"Five lines on FastAPI", "Other frameworks"}
+RUN_IN_TEST_README = {
+    ("README.md", "Five lines on FastAPI"),
+    ("get-started.md", "Five lines on FastAPI"),
+    ("frameworks.md", "Adding it, framework by framework"),
+}
 """Sections whose snippet tests/test_readme.py runs with its own checks (one charge under 200
 retries; compressors outside), so it is not run twice in one process (BlackSheep allows one
 default router per process)."""
 
 
-def snippets() -> list[tuple[int, str]]:
-    return python_blocks(README)
+def snippets() -> list[tuple[str, str]]:
+    """(page:line, code) of every snippet that runs alone."""
+    return [(f"{page.relative_to(ROOT)}:{line}", code) for page in STANDALONE for line, code in python_blocks(page)]
 
 
-def section_of(line: int) -> str:
-    above = README.read_text().splitlines()[:line]
-    return next(h.lstrip("# ") for h in reversed(above) if re.match(r"#{1,6} ", h))
+def section_at(where: str) -> tuple[str, str]:
+    path, line = where.rsplit(":", 1)
+    return Path(path).name, section_of(ROOT / path, int(line))
 
 
-RUNNABLE = [(n, code) for n, code in snippets() if section_of(n) not in RUN_IN_TEST_README]
+RUNNABLE = [(where, code) for where, code in snippets() if section_at(where) not in RUN_IN_TEST_README]
 
 
 def test_the_import_check_catches_a_missing_import() -> None:
@@ -105,9 +116,9 @@ def test_the_import_check_catches_a_missing_import() -> None:
     assert undefined_names("from x import GZipMiddleware\napp.add_middleware(GZipMiddleware)") == {"app"}
 
 
-@pytest.mark.parametrize(("line", "code"), snippets(), ids=[f"README.md:{n}" for n, _ in snippets()])
-def test_every_readme_snippet_imports_what_it_uses(line: int, code: str) -> None:
-    assert undefined_names(code) <= YOURS, f"README.md:{line} uses names it neither imports nor defines"
+@pytest.mark.parametrize(("where", "code"), snippets(), ids=[where for where, _ in snippets()])
+def test_every_standalone_snippet_imports_what_it_uses(where: str, code: str) -> None:
+    assert undefined_names(code) <= YOURS, f"{where} uses names it neither imports nor defines"
 
 
 class FakeProvider:
@@ -120,15 +131,15 @@ class FakeProvider:
 
 
 def test_the_snippets_run_elsewhere_are_the_ones_test_readme_runs() -> None:
-    elsewhere = [section_of(n) for n, _ in snippets() if section_of(n) in RUN_IN_TEST_README]
+    elsewhere = [section_at(where) for where, _ in snippets() if section_at(where) in RUN_IN_TEST_README]
     assert sorted(elsewhere) == sorted(RUN_IN_TEST_README)
     source = (ROOT / "tests" / "test_readme.py").read_text()
-    assert all(f'"## {s}"' in source or f'"### {s}"' in source for s in RUN_IN_TEST_README)
+    assert all(f'"## {s}"' in source or f'"### {s}"' in source for _, s in RUN_IN_TEST_README)
 
 
 @pytest.mark.redis
-@pytest.mark.parametrize(("line", "code"), RUNNABLE, ids=[f"README.md:{n}" for n, _ in RUNNABLE])
-async def test_every_readme_snippet_runs_as_printed(line: int, code: str) -> None:
+@pytest.mark.parametrize(("where", "code"), RUNNABLE, ids=[where for where, _ in RUNNABLE])
+async def test_every_standalone_snippet_runs_as_printed(where: str, code: str) -> None:
     require("redis", REDIS_URL)
     if "django" in code:
         from tests.django_project import _configure
@@ -144,8 +155,8 @@ async def test_every_readme_snippet_runs_as_printed(line: int, code: str) -> Non
         "record_charge": lambda charge: None,
     }
     code = code.replace("redis://localhost:6379/0", REDIS_URL)
-    compiled = compile_snippet(code, f"README.md:{line}")
-    outcome = eval(compiled, namespace)  # the README's own code
+    compiled = compile_snippet(code, where)
+    outcome = eval(compiled, namespace)  # the page's own code
     if outcome is not None:
         await outcome  # a snippet with top-level await
     for value in namespace.values():

@@ -3,7 +3,8 @@ run in order in one namespace (a later block may use what an earlier one defined
 real servers (host names substituted), with stand-ins only for the reader's own objects (their
 app, payment provider, logger...). A block that imports or names anything else must do it itself.
 The RabbitMQ and NATS consumers a page starts then get one message each and must apply it once.
-(README.md and docs/production.md have tests of their own.)"""
+(README.md, docs/production.md and the pages whose blocks each stand alone, `ALONE`, have tests of
+their own.)"""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from starlette.applications import Starlette
 from idem_asgi.backends import Backend
 from idem_asgi.backends.redis import RedisBackend
 from tests.support.servers import POSTGRES_DSN, REDIS_URL, ROOT, require
-from tests.support.snippets import bound_names, compile_snippet, python_blocks, undefined_names
+from tests.support.snippets import ALONE, bound_names, compile_snippet, python_blocks, undefined_names
 
 AMQP = "amqp://guest:guest@127.0.0.1:5672/"
 NATS = "nats://127.0.0.1:4222"
@@ -237,5 +238,5 @@ async def test_the_jobs_page_runs_and_its_consumers_apply_each_message_once(brok
 
 def test_the_pages_listed_are_all_pages_with_python_blocks() -> None:
     with_code = {p.name for p in (ROOT / "docs").glob("*.md") if python_blocks(p)}
-    assert with_code == {*PAGES, "production.md"}, with_code
+    assert with_code == {*PAGES, *ALONE, "production.md"}, with_code
     assert all(isinstance(p, str) and Path(ROOT / "docs" / p).exists() for p in PAGES)

@@ -1,4 +1,5 @@
-"""The README's five-line FastAPI setup works as printed: 200 concurrent retries, one charge."""
+"""The README's five-line FastAPI setup works as printed: 200 concurrent retries, one charge; the
+site's copy of it (docs/get-started.md) is the same code, and the site's framework snippets run."""
 
 from __future__ import annotations
 
@@ -16,15 +17,25 @@ from idem_asgi.backends import Backend
 from tests.support.servers import REDIS_URL, require
 
 pytestmark = pytest.mark.redis
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+
+
+def first_block(page: Path, heading: str) -> str:
+    """The first python block after `heading` on `page`."""
+    text = page.read_text()
+    match = re.search(r"```python\n(.*?)```", text[text.index(f"\n{heading}\n") :], re.S)
+    assert match is not None
+    return match.group(1)
 
 
 def quickstart() -> str:
-    text = README.read_text()
-    section = text[text.index("## Five lines on FastAPI") :]
-    match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match is not None
-    return match.group(1).replace("redis://localhost:6379/0", REDIS_URL)
+    return first_block(README, "## Five lines on FastAPI").replace("redis://localhost:6379/0", REDIS_URL)
+
+
+def test_the_sites_five_lines_are_the_readmes() -> None:
+    site = first_block(ROOT / "docs" / "get-started.md", "## Five lines on FastAPI")
+    assert site == first_block(README, "## Five lines on FastAPI")
 
 
 async def test_readme_quickstart_gives_one_charge_under_200_concurrent_retries() -> None:
@@ -56,19 +67,16 @@ async def test_readme_quickstart_gives_one_charge_under_200_concurrent_retries()
     await backend.aclose()
 
 
-def test_readme_framework_snippets_run_as_printed_with_the_compressor_outside() -> None:
+def test_the_framework_snippets_run_as_printed_with_the_compressor_outside() -> None:
     from starlette.middleware.gzip import GZipMiddleware
 
     from idem_asgi import IdempotencyMiddleware
 
-    text = README.read_text()
-    section = text[text.index("### Other frameworks") :]
-    match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match is not None
+    code = first_block(ROOT / "docs" / "frameworks.md", "## Adding it, framework by framework")
     namespace: dict[str, Any] = {"__name__": __name__}  # as in a module of the user's (Quart(__name__))
-    exec(compile(match.group(1), "README.md", "exec"), namespace)  # every snippet, imports included
+    exec(compile(code, "docs/frameworks.md", "exec"), namespace)  # every snippet, imports included
     assert isinstance(namespace["app"], IdempotencyMiddleware)  # the last one: Falcon wrapped
-    starlette_lines = match.group(1)[match.group(1).index("# Starlette") :]
+    starlette_lines = code[code.index("# Starlette") :]
     gzip_at = starlette_lines.index("Middleware(GZipMiddleware)")
     assert gzip_at < starlette_lines.index("Middleware(IdempotencyMiddleware")  # listed first = outermost
-    assert GZipMiddleware.__name__ in match.group(1)
+    assert GZipMiddleware.__name__ in code

@@ -26,10 +26,12 @@ def _wrap(text: str) -> str:
 
 
 def sections() -> str:
-    """One `## <slug>` section per documented problem type (the anchors other pages link to)."""
+    """One `## <slug>` section per documented problem type: its heading is its anchor (`#<slug>`, the
+    same on GitHub and on the site), so `problem_base="<the page's URL>#"` links each refusal to it."""
     out = []
     for p in problems.DOCUMENTED:
-        out.append(f"## {p.slug}\n\n{_wrap(f'**{p.status}.** {p.happened}')}\n\n{_wrap(f'*What to do:* {p.to_do}')}\n")
+        happened = _wrap(f"**HTTP {p.status}: {p.title}.** {p.happened}")
+        out.append(f"## {p.slug}\n\n{happened}\n\n{_wrap(f'*What to do:* {p.to_do}')}\n")
     return "\n".join(out)
 
 

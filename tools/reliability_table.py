@@ -1,8 +1,8 @@
-"""Build the README's Reliability table from the scorecards of a real run.
+"""Build the Reliability table (docs/reliability.md) from the scorecards of a real run.
 
     IDEM_SCORECARD_FILE=out.jsonl python -m pytest tests/...   # every suite appends its lines
     python -m tools.reliability_table out.jsonl                 # print the table
-    python -m tools.reliability_table out.jsonl --readme README.md   # replace it between the markers
+    python -m tools.reliability_table out.jsonl --readme docs/reliability.md   # replace it between the markers
 
 Each row gathers the scorecards whose `test` matches its pattern, over every backend. A row whose
 suite did not run says so ("not in this run") instead of keeping stale figures.

@@ -41,12 +41,14 @@ async def storm(
 
     Args:
         app: Your ASGI app, with `IdempotencyMiddleware` installed the way you install it.
-        method, path: The endpoint (`path` may carry a `?query`).
+        method: The endpoint's method.
+        path: The endpoint's path (it may carry a `?query`).
         probe: Counts your handler's executions: a zero-argument callable (sync or async)
             returning the total so far (`lambda: len(charges)`), or a mapping key -> count (or a
             callable returning one). Read before and after each scenario, which run one at a time.
-        body, json: The request body (bytes/str), or an object sent as JSON
-            (`content-type: application/json` is added unless `headers` sets one).
+        body: The request body (bytes/str).
+        json: Or an object sent as JSON (`content-type: application/json` is added unless
+            `headers` sets one).
         headers: Extra request headers (tenant, auth). Host, content-length and the key are set here.
         key: The storm's key; each fault uses `<key>-<fault>`. Default: `storm-<random>`.
         concurrency: Identical requests fired at once.
@@ -57,7 +59,8 @@ async def storm(
         middleware: The `IdempotencyMiddleware` instance(s) serving `path`. Default: found in `app`.
         backend: The store to fail for `store_fails_after_claim`, when the middleware cannot be
             found (it is then patched on the instance for the duration of the storm).
-        key_header, replay_header: As configured on the middleware.
+        key_header: The key header, as configured on the middleware.
+        replay_header: The replay header, as configured on the middleware.
         request_timeout: Seconds before one request counts as hung.
         workers: How many processes serve the app in production. With more than one, a per-process
             store (`MemoryBackend`) fails the report: each worker would run the retry again.

@@ -2,7 +2,7 @@
 
 Every storm or fault run prints ONE scorecard line (JSON, prefixed `SCORECARD `) and, when the
 environment variable `IDEM_SCORECARD_FILE` is set, appends the same JSON object as one line to that
-file, so a README table can be built from a real run.
+file, so the reliability table (docs/reliability.md) can be built from a real run.
 
 Fields:
 - `test`, `backend`, `seed`, `requests`, `keys`, `dup_per_key`, `faults` ({fault type: count}).
@@ -216,7 +216,7 @@ class Scorecard:
 
 def report(line: Mapping[str, Any], tag: str = "SCORECARD") -> None:
     """Print one result line and append it to `IDEM_SCORECARD_FILE` (suites without a Scorecard:
-    the model, the bad-input properties, the bounds), so the README table covers them too."""
+    the model, the bad-input properties, the bounds), so the reliability table covers them too."""
     text = json.dumps(line)
     print(f"\n{tag} {text}")
     path = os.environ.get("IDEM_SCORECARD_FILE")

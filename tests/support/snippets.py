@@ -9,11 +9,34 @@ import re
 from pathlib import Path
 from types import CodeType
 
+ALONE = (
+    "get-started.md",
+    "frameworks.md",
+    "keys.md",
+    "observability.md",
+    "how-it-works.md",
+    "configuration.md",
+    "memory.md",
+)
+"""docs/ pages whose blocks each stand alone (they came from the README, whose snippets were run
+one by one): tests/test_docs_checked.py runs them so, tests/test_docs_run.py runs the others."""
+
 
 def python_blocks(page: Path) -> list[tuple[int, str]]:
     """(first line of the code, code) of every ```python block of a page, in order."""
     text = page.read_text()
     return [(text[: m.start()].count("\n") + 2, m.group(1)) for m in re.finditer(r"```python\n(.*?)```", text, re.S)]
+
+
+def section_of(page: Path, line: int) -> str:
+    """The heading (without its #s) of the section that holds `line` (1-based), code blocks skipped."""
+    heading, fenced = "", False
+    for text in page.read_text().splitlines()[: line - 1]:
+        if text.startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"#{1,6} ", text):
+            heading = text.lstrip("#").strip()
+    return heading
 
 
 def compile_snippet(code: str, where: str) -> CodeType:
