@@ -48,10 +48,10 @@ class Shop:
     cli: list[str] = field(default_factory=list)
 
     def backend(self) -> RedisBackend | PostgresBackend:
-        secret = self.env.get("IDEM_ASGI_KEY_SECRET")
+        """The store, to count its stale claims (by digest: what they hold is the CLI's to show)."""
         if self.kind == "redis":
-            return RedisBackend.from_url(REDIS_URL, prefix=self.env["IDEM_OPS_PREFIX"], key_secret=secret)
-        return PostgresBackend.from_dsn(POSTGRES_DSN, table=self.env["IDEM_OPS_TABLE"], key_secret=secret, min_size=1)
+            return RedisBackend.from_url(REDIS_URL, prefix=self.env["IDEM_OPS_PREFIX"])
+        return PostgresBackend.from_dsn(POSTGRES_DSN, table=self.env["IDEM_OPS_TABLE"], min_size=1)
 
 
 def deployment(kind: str, secret: bool) -> Shop:
