@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 
 from idem_asgi.backends.postgres import PostgresBackend
 from idem_asgi.backends.redis import RedisBackend
+from idem_asgi.cli import run
 from idem_asgi.errors import ConfigurationError
 from idem_asgi.records import RecordKey
 from idem_asgi.sealed_keys import ENV_SECRET, KeySeal, is_sealed
@@ -147,3 +148,33 @@ async def test_a_takeover_seals_the_key_again_and_without_a_secret_nothing_is_se
     assert taken is not None
     await asyncio.sleep(0.2)
     assert (await app.stale(0))[0].key == KEY
+
+
+@pytest.mark.redis
+async def test_stale_says_why_a_claim_is_shown_by_digest(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    require("redis", REDIS_URL)
+    prefix = f"idem-seal:{uuid.uuid4().hex[:10]}:"
+    app = RedisBackend.from_url(REDIS_URL, prefix=prefix, key_secret=NEW)
+    try:
+        await stuck(app)
+        argv = ["--backend", REDIS_URL, "--prefix", prefix, "stale"]
+        lines = {}
+        for secret in (NEW, OLD, ""):
+            monkeypatch.setenv(ENV_SECRET, secret)
+            assert await run(argv) == 0
+            lines[secret] = capsys.readouterr().out.splitlines()
+    finally:
+        await app.aclose()
+        client = aioredis.Redis.from_url(REDIS_URL)
+        await client.delete(*[k async for k in client.scan_iter(match=f"{prefix}*")])
+        await client.aclose()
+    assert "idem / tenant-42 / pay-7f3a  token" in lines[NEW][0] and len(lines[NEW]) == 2
+    short = KEY.digest[:16]
+    assert f"idem / sha256:{short}  token" in lines[OLD][0]
+    assert lines[OLD][-1].startswith(
+        f"1 claim(s) shown by digest: their key was not sealed with a secret of {ENV_SECRET}"
+    )
+    assert f"idem / sha256:{short}  token" in lines[""][0]
+    assert lines[""][-1].startswith(f"1 claim(s) shown by digest: keys are kept as digests and no {ENV_SECRET} is set")
