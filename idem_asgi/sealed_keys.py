@@ -34,6 +34,7 @@ MARK: Final = "\x1fs1"
 """How a sealed key starts: never a client key (visible ASCII) nor a derived one (a method first)."""
 MIN_SECRET: Final = 16
 _INFO: Final = b"idem_asgi sealed keys v1"
+_NONCE: Final = bytes(12)  # each record's key is its own (see KeySeal._cipher)
 
 
 def is_sealed(value: str | bytes | None) -> bool:
@@ -65,8 +66,8 @@ class KeySeal:
     def __init__(self, secrets: Sequence[str]) -> None:
         if not secrets:
             raise ConfigurationError(f"{ENV_SECRET}: give at least one secret")
-        aead = _aead()
-        self._keys: dict[str, Any] = {}
+        self._aead = _aead()
+        self._keys: dict[str, bytes] = {}
         self._first = ""
         for secret in secrets:
             if len(secret) < MIN_SECRET:
@@ -76,7 +77,7 @@ class KeySeal:
                 )
             material = hmac.new(secret.encode(), _INFO, hashlib.sha256).digest()
             kid = hashlib.sha256(material).hexdigest()[:8]
-            self._keys.setdefault(kid, aead(material))
+            self._keys.setdefault(kid, material)
             self._first = self._first or kid
 
     @classmethod
@@ -91,18 +92,25 @@ class KeySeal:
 
     def seal(self, key: RecordKey) -> str:
         """The sealed text of `key`'s scope and key, bound to its namespace and digest."""
-        nonce = os.urandom(12)
-        box = self._keys[self._first].encrypt(nonce, _pack(key.scope, key.key), _pack(key.namespace, key.digest))
-        return MARK + self._first + base64.urlsafe_b64encode(nonce + box).decode("ascii")
+        salt = os.urandom(16)
+        box = self._cipher(self._keys[self._first], salt).encrypt(
+            _NONCE, _pack(key.scope, key.key), _pack(key.namespace, key.digest)
+        )
+        return MARK + self._first + base64.urlsafe_b64encode(salt + box).decode("ascii")
+
+    def _cipher(self, material: bytes, salt: bytes) -> Any:
+        """AES-256-GCM under a key of this record's own (HMAC of a random salt): no nonce is ever
+        reused, however many keys one secret seals (random 96-bit nonces would bound that)."""
+        return self._aead(hmac.digest(material, salt, "sha256"))
 
     def open(self, namespace: str, digest: str, sealed: str) -> RecordKey | None:
         """The key a sealed text holds, or None: another secret's, damaged, or not this record's."""
-        aead = self._keys.get(sealed[len(MARK) : len(MARK) + 8]) if is_sealed(sealed) else None
-        if aead is None:
+        material = self._keys.get(sealed[len(MARK) : len(MARK) + 8]) if is_sealed(sealed) else None
+        if material is None:
             return None
         try:
             raw = base64.urlsafe_b64decode(sealed[len(MARK) + 8 :])
-            plain = aead.decrypt(raw[:12], raw[12:], _pack(namespace, digest))
+            plain = self._cipher(material, raw[:16]).decrypt(_NONCE, raw[16:], _pack(namespace, digest))
             size = int.from_bytes(plain[:4], "big")
             scope = plain[4 : 4 + size].decode("utf-8", "surrogateescape")
             key = plain[8 + size :].decode("utf-8", "surrogateescape")
