@@ -7,6 +7,7 @@ from typing import Any
 
 from .reconcile import ReconcileItem, ReconcileReport
 from .records import Record, RecordKey, StaleRecord, StoredResponse
+from .sealed_keys import ENV_SECRET
 
 
 def iso(t: float) -> str:
@@ -73,6 +74,20 @@ def key_label(key: RecordKey) -> str:
     return label(key.namespace, key.scope, key.key)
 
 
+def hidden_note(hidden: int, seal: object) -> list[str]:
+    """Why `hidden` listed claims read as a digest, and what lists them by key (none: no line)."""
+    if not hidden:
+        return []
+    if seal is None:
+        why = f"keys are kept as digests and no {ENV_SECRET} is set here"
+    else:
+        why = f"their key was not sealed with a secret of {ENV_SECRET} (written without one, or another)"
+    return [
+        f"{hidden} claim(s) shown by digest: {why}; give the app and this tool the same {ENV_SECRET} "
+        "to list claims by key, or match known keys with idem_asgi.reconcile.key_among"
+    ]
+
+
 def report_doc(report: ReconcileReport) -> dict[str, Any]:
     return {
         "examined": report.examined,
@@ -105,8 +120,9 @@ def item_label(i: ReconcileItem) -> str:
     return label(i.namespace, i.scope, i.key)
 
 
-def report_lines(report: ReconcileReport) -> list[str]:
+def report_lines(report: ReconcileReport, seal: object = None) -> list[str]:
     out = [f"{i.action:<10}  {item_label(i)}  {i.detail}" for i in report.items]
+    out += hidden_note(sum(i.scope == i.key == "?" for i in report.items), seal)
     r = report
     out.append(
         f"examined {r.examined}: completed {r.completed}, released {r.released}, unresolved {r.unresolved}, "

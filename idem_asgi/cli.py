@@ -30,7 +30,18 @@ from typing import Any, Final
 import msgspec
 
 from ._cli_load import load_hook, load_transform
-from ._cli_output import iso, key_doc, key_label, label, record_doc, report_doc, report_lines, stale_doc, text
+from ._cli_output import (
+    hidden_note,
+    iso,
+    key_doc,
+    key_label,
+    label,
+    record_doc,
+    report_doc,
+    report_lines,
+    stale_doc,
+    text,
+)
 from .backends import backend_class
 from .backends._protocol import Backend
 from .errors import BackendError, BackendMisconfigured, BackendUnavailable, ConfigurationError, InvalidScope
@@ -365,7 +376,7 @@ async def _stale(args: argparse.Namespace) -> int:
             for s in found
         ]
         out.append(f"{len(found)} stale claim(s) whose lease ended more than {args.older_than:g} s ago")
-        return out
+        return out + hidden_note(sum(s.key.hidden for s in found), getattr(backend, "key_seal", None))
 
     _emit(args, [stale_doc(s) for s in found], lines)
     return 0
@@ -392,7 +403,7 @@ async def _reconcile(args: argparse.Namespace) -> int:
             concurrency=args.concurrency,
             transform=transform,
         )
-    _emit(args, report_doc(report), lambda: report_lines(report))
+    _emit(args, report_doc(report), lambda: report_lines(report, getattr(backend, "key_seal", None)))
     return 1 if report.errors else 0
 
 

@@ -287,10 +287,10 @@ async def test_claim_statement_sees_nothing_when_a_concurrent_insert_commits_lat
         args = ("ns", "", "key-1", b"fp")
         tx = raw.transaction()
         await tx.start()
-        first = await raw.fetch(pg.sql.claim, *args, 1, 30.0, DAY)
+        first = await raw.fetch(pg.sql.claim, *args, 1, 30.0, DAY, None)
         assert [r[0] for r in first] == [True]
         # The second statement takes its snapshot now, then waits on the uncommitted insert.
-        second = asyncio.ensure_future(other.fetch(pg.sql.claim, *args, 2, 30.0, DAY))
+        second = asyncio.ensure_future(other.fetch(pg.sql.claim, *args, 2, 30.0, DAY, None))
         await asyncio.sleep(0.3)
         assert not second.done()
         await tx.commit()
@@ -298,7 +298,7 @@ async def test_claim_statement_sees_nothing_when_a_concurrent_insert_commits_lat
         # Through the backend the same race ends as a read of the winner's record.
         tx = raw.transaction()
         await tx.start()
-        await raw.fetch(pg.sql.claim, "ns", "", "key-2", b"fp", 3, 30.0, DAY)
+        await raw.fetch(pg.sql.claim, "ns", "", "key-2", b"fp", 3, 30.0, DAY, None)
         late = asyncio.ensure_future(pg.claim(k("key-2"), b"fp", lease=30, ttl=DAY))
         await asyncio.sleep(0.3)
         await tx.commit()
@@ -347,7 +347,7 @@ async def test_a_replay_takes_no_row_lock(pg: PostgresBackend, raw: asyncpg.Conn
     # flushes no WAL (the former ON CONFLICT DO UPDATE locked the row, and so did both).
     for key in ("done", "running"):
         async with raw.transaction():
-            rows = await raw.fetch(pg.sql.claim, "ns", "", key, b"fp", 99, 30.0, DAY)
+            rows = await raw.fetch(pg.sql.claim, "ns", "", key, b"fp", 99, 30.0, DAY, None)
             assert [r[0] for r in rows] == [False]
             assert await raw.fetchval("SELECT txid_current_if_assigned()") is None
 

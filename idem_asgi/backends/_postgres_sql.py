@@ -32,6 +32,7 @@ CREATE TABLE IF NOT EXISTS {table} (
     sealed      boolean,                         -- the answer went through the app's transform (NULL: in clear)
     watched     boolean,                         -- a repeat held in another process waits for this claim's end
                                                  -- (watch): the end is NOTIFYed on the table's channel
+    sealed_key  text,                            -- scope and key sealed with IDEM_ASGI_KEY_SECRET (NULL: none set)
     PRIMARY KEY (namespace, scope, key)          -- (namespace '', key E'\\x1fstore_keys': the settings row of
 );                                               -- an app with store_keys=True; migrate keeps raw keys then)
 ALTER TABLE {table} ADD COLUMN IF NOT EXISTS checkpoint text;
@@ -39,6 +40,7 @@ ALTER TABLE {table} ADD COLUMN IF NOT EXISTS trailers bytea;
 ALTER TABLE {table} ADD COLUMN IF NOT EXISTS ttl float8;
 ALTER TABLE {table} ADD COLUMN IF NOT EXISTS sealed boolean;
 ALTER TABLE {table} ADD COLUMN IF NOT EXISTS watched boolean;
+ALTER TABLE {table} ADD COLUMN IF NOT EXISTS sealed_key text;
 CREATE INDEX IF NOT EXISTS {expires_index} ON {table} (expires_at);
 CREATE INDEX IF NOT EXISTS {inflight_index} ON {table} (lease_until) WHERE state <> 'c';
 """
@@ -99,7 +101,7 @@ class Statements:
         # changed first. The caller then runs it again with a fresh snapshot.
         free = "(r.expires_at <= now())"  # a claim takes over only a row past its TTL
         reset = """
-        state = 'p', fingerprint = $4, token = $5, created_at = now(), ttl = $7::float8,
+        sealed_key = ${sealed_key}, state = 'p', fingerprint = $4, token = $5, created_at = now(), ttl = $7::float8,
         lease_until = now() + $6::float8 * interval '1 second', expires_at = now() + $7::float8 * interval '1 second',
         status = NULL, headers = NULL, body = NULL, replayable = NULL, checkpoint = NULL, trailers = NULL,
         sealed = NULL, watched = NULL"""
@@ -107,14 +109,14 @@ class Statements:
 WITH cur AS (
     SELECT {_COLUMNS}, {free} AS free FROM {t} AS r WHERE namespace = $1 AND scope = $2 AND key = $3
 ), ins AS (
-    INSERT INTO {t} (namespace, scope, key, state, fingerprint, token, lease_until, expires_at, ttl)
+    INSERT INTO {t} (namespace, scope, key, state, fingerprint, token, lease_until, expires_at, ttl, sealed_key)
     SELECT $1, $2, $3, 'p', $4, $5, now() + $6::float8 * interval '1 second', now() + $7::float8 * interval '1 second',
-           $7::float8
+           $7::float8, $8::text
     WHERE NOT EXISTS (SELECT 1 FROM cur)
     ON CONFLICT (namespace, scope, key) DO NOTHING
     RETURNING true
 ), upd AS (
-    UPDATE {t} AS r SET {reset}
+    UPDATE {t} AS r SET {reset.format(sealed_key=8)}
     WHERE namespace = $1 AND scope = $2 AND key = $3 AND EXISTS (SELECT 1 FROM cur WHERE free) AND {free}
     RETURNING true
 )
@@ -136,7 +138,7 @@ WITH cur AS (
     SELECT {_COLUMNS}, {held_free} AS free, r.expires_at > now() AS live
     FROM {t} AS r WHERE namespace = $1 AND scope = $2 AND key = $3
 ), upd AS (
-    UPDATE {t} AS r SET {reset}
+    UPDATE {t} AS r SET {reset.format(sealed_key=9)}
     WHERE namespace = $1 AND scope = $2 AND key = $3 AND EXISTS (SELECT 1 FROM cur WHERE free) AND {held_free}
     RETURNING true
 )
@@ -203,7 +205,7 @@ DELETE FROM {t} WHERE ctid = ANY(ARRAY(
     SELECT ctid FROM {t} WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED
 )) AND expires_at <= now()"""
         self.stale = f"""
-SELECT false, {_COLUMNS}, namespace, scope, key FROM {t}
+SELECT false, {_COLUMNS}, namespace, scope, key, sealed_key FROM {t}
 WHERE state <> 'c' AND lease_until <= now() - $1::float8 * interval '1 second' AND expires_at > now()
   AND ($3::text IS NULL OR namespace = $3)
 ORDER BY lease_until LIMIT $2"""

@@ -4,7 +4,8 @@ Records are named by the key's digest whatever the setting; an app with `store_k
 keeps the raw scope and key (fields `o`, `k`) so the ops tools can name a stuck claim and a
 reconcile resolver can ask the provider by key. Such an app records so under `{prefix}store_keys`
 before its first claim, and `migrate` follows that record: it never blanks the names an app
-keeps. A batch re-reads the record after reading its records, so an app that starts while
+keeps. A key sealed with the deployment's secret (`idem_asgi.sealed_keys`) is not raw: it stays.
+A batch re-reads the record after reading its records, so an app that starts while
 `migrate` runs stops the rewrite before its names are touched.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from ..sealed_keys import is_sealed
 from ._redis_scripts import BLANK_NAMES
 from ._redis_stale import _glob_escape
 
@@ -61,7 +63,7 @@ async def hash_stored_keys(store: RedisBackend, scan_count: int) -> tuple[int, i
                     for name in names:
                         pipe.hmget(name, "o", "k")
                     fields = await pipe.execute()
-                    raw = [n for n, (o, k) in zip(names, fields, strict=True) if o or k]
+                    raw = [n for n, (o, k) in zip(names, fields, strict=True) if o or (k and not is_sealed(k))]
                     if raw and await client.exists(mark(store)):
                         return rewritten, 0  # an app keeping raw keys started meanwhile: stop
                     if raw:

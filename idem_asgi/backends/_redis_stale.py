@@ -7,6 +7,7 @@ import re
 from typing import TYPE_CHECKING, Any, Final
 
 from ..records import IN_PROGRESS, Record, RecordKey, StaleRecord
+from ..sealed_keys import KeySeal, is_sealed, opened
 
 if TYPE_CHECKING:
     from .redis import RedisBackend
@@ -46,7 +47,9 @@ async def scan_stale(
                         cursor = cursor[node.name]
                 names = [n for n in names if _DIGEST.fullmatch(n, skip, len(n) - 1)]
                 if names:
-                    found += _stale(names, await _read(client, node, names), skip, older_than, namespace)
+                    found += _stale(
+                        names, await _read(client, node, names), skip, older_than, namespace, store.key_seal
+                    )
                 if int(cursor) == 0:
                     break
     found.sort(key=lambda s: s.record.lease_until)
@@ -67,7 +70,12 @@ async def _read(client: Any, node: Any, names: list[bytes]) -> list[Any]:
 
 
 def _stale(
-    names: list[bytes], replies: list[Any], skip: int, older_than: float, namespace: str | None
+    names: list[bytes],
+    replies: list[Any],
+    skip: int,
+    older_than: float,
+    namespace: str | None,
+    seal: KeySeal | None,
 ) -> list[StaleRecord]:
     """The in-progress records among `replies` whose lease ended `older_than` seconds before Redis's `TIME`."""
     seconds, micros = replies[0]
@@ -93,11 +101,10 @@ def _stale(
             holder_failed=state == b"u",
             ttl=None if ttl is None else int(ttl) / 1000,
         )
-        # An empty key: the record keeps only its digest (no raw key is ever empty).
-        rkey = (
-            RecordKey.hashed(_text(ns), digest)
-            if key == b""
-            else RecordKey(_text(ns), _text(scope), _text(key), digest)
-        )
+        # An empty key: the record keeps only its digest (no raw key is ever empty); or it is sealed.
+        if key == b"" or is_sealed(key):
+            rkey = opened(seal, _text(ns), digest, _text(key))
+        else:
+            rkey = RecordKey(_text(ns), _text(scope), _text(key), digest)
         found.append(StaleRecord(rkey, record))
     return found

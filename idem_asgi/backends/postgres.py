@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Final, Literal
 
 import anyio
@@ -27,6 +27,7 @@ from ..errors import (
 )
 from ..records import COMPLETED, IN_PROGRESS, Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
 from ..records import StaleRecord as StaleRecord  # re-exported: it was defined here before records.py
+from ..sealed_keys import KeySeal, opened
 from ._base import ClosingMixin, new_token
 from ._orphans import OrphanSweeper
 from ._postgres_notices import Notices, channel_of
@@ -48,11 +49,14 @@ from ._postgres_pooler import probe, probe_dsn, try_a_transaction
 logger = logging.getLogger("idem_asgi")
 
 
-def _row_key(namespace: str, scope: str, key: str, store_keys: bool) -> RecordKey:
-    """The key of a row: known by its digest, or by raw columns (marked, where this backend would
-    look it up by the digest: a row of an earlier version, or of an app that keeps raw keys)."""
+def _row_key(
+    namespace: str, scope: str, key: str, store_keys: bool, seal: KeySeal | None, sealed: str | None
+) -> RecordKey:
+    """The key of a row: known by its digest (and its sealed key, opened with `seal`), or by raw
+    columns (marked, where this backend would look it up by the digest: a row of an earlier
+    version, or of an app that keeps raw keys)."""
     if key.startswith(HASHED) and not scope:
-        return RecordKey.hashed(namespace, key[1:])
+        return opened(seal, namespace, key[1:], sealed)
     built = RecordKey.build(namespace, scope, key)
     return built if store_keys else RecordKey(namespace, built.scope, key, built.digest, stored_raw=True)
 
@@ -77,10 +81,19 @@ class PostgresBackend(ClosingMixin):
             the table (one settings row, before its first write) that an app looks rows up by raw
             keys, and `idem-asgi migrate` then keeps them raw; without, `migrate` rewrites rows
             of earlier versions.
+        key_secret: Keep the scope and key sealed with this secret in `sealed_key` (comma-separated,
+            newest first; default `$IDEM_ASGI_KEY_SECRET`), so `stale()` lists claims by key for
+            the ops tools holding it while a dump shows none (`idem_asgi.sealed_keys`).
     """
 
     def __init__(
-        self, pool: Any = None, *, table: str = "idem_records", timeout: float = 5.0, store_keys: bool = False
+        self,
+        pool: Any = None,
+        *,
+        table: str = "idem_records",
+        timeout: float = 5.0,
+        store_keys: bool = False,
+        key_secret: str | Sequence[str] | None = None,
     ) -> None:
         parts = table.split(".")
         if len(parts) > 2 or not all(_IDENT.fullmatch(p) for p in parts):
@@ -94,6 +107,7 @@ class PostgresBackend(ClosingMixin):
         self._relations = [self.table, *(schema + name for name in self._indexes.values())]
         self._timeout = timeout
         self.store_keys = store_keys
+        self.key_seal = KeySeal.from_setting(key_secret)
         self._raw_recorded = False  # `store_keys=True` recorded in the table (once per backend)
         self._pool = pool
         self._dsn: str | None = None
@@ -133,6 +147,7 @@ class PostgresBackend(ClosingMixin):
         timeout: float = 5.0,
         create_table: bool = True,
         store_keys: bool = False,
+        key_secret: str | Sequence[str] | None = None,
         **pool_options: Any,
     ) -> PostgresBackend:
         """A backend that creates (and owns) its pool on first use, and its table if missing.
@@ -154,7 +169,7 @@ class PostgresBackend(ClosingMixin):
         with a reset hook that sends nothing unless you pass `reset` (the backend leaves no session
         state behind, and asyncpg's reset query would double the round trips).
         """
-        backend = cls(table=table, timeout=timeout, store_keys=store_keys)
+        backend = cls(table=table, timeout=timeout, store_keys=store_keys, key_secret=key_secret)
         backend._dsn = dsn
         backend._create_table = create_table
         backend._pool_options = {"min_size": 2, "max_size": 20, **pool_options}
@@ -210,7 +225,10 @@ class PostgresBackend(ClosingMixin):
     async def _create(self, conn: Any) -> None:
         exists = "SELECT " + " AND ".join(f"to_regclass(${i}) IS NOT NULL" for i in range(1, len(self._relations) + 1))
         # (and the newest column: tables made by earlier releases get it from the DDL's ALTER)
-        exists += " AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'watched')"
+        exists += (
+            " AND (SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($1)"
+            " AND attname IN ('watched', 'sealed_key')) = 2"
+        )
         if await conn.fetchval(exists, *self._relations, timeout=self.timeout):
             return  # nothing to do, and no lock taken on a table that is serving
         # CREATE ... IF NOT EXISTS is not safe against itself: two workers starting together can
@@ -272,6 +290,12 @@ class PostgresBackend(ClosingMixin):
             return key.namespace, key.scope, key.key
         return key.namespace, "", HASHED + key.digest
 
+    def _sealed(self, key: RecordKey) -> str | None:
+        """The sealed scope and key of a digest row (None without a secret, or a key known by digest)."""
+        if self.key_seal is None or key.hidden or key.stored_raw or self.store_keys:
+            return None
+        return self.key_seal.seal(key)
+
     async def hash_stored_keys(self, batch_size: int = 1000) -> tuple[int, int]:
         """Rewrite rows that hold a raw scope and key (written by 0.1.0, or by `store_keys=True`) to
         the digest alone, in batches of short statements; `idem-asgi migrate` runs it. Rewrites
@@ -297,7 +321,7 @@ class PostgresBackend(ClosingMixin):
 
     async def _claim(self, key: RecordKey, fingerprint: bytes, lease: float, ttl: float, token: int) -> ClaimResult:
         pool = await self._get_pool()
-        args = (*self._id(key), fingerprint, token, lease, ttl)
+        args = (*self._id(key), fingerprint, token, lease, ttl, self._sealed(key))
         rerun = False
         for _ in range(5):
             row, retried = await self._runner.run_again(pool, "fetchrow", self.sql.claim, *args)
@@ -334,7 +358,7 @@ class PostgresBackend(ClosingMixin):
             await self.record_raw_keys()
         pool = await self._get_pool()
         token = new_token()
-        args = (*self._id(key), fingerprint, token, lease, ttl, stale_token)
+        args = (*self._id(key), fingerprint, token, lease, ttl, stale_token, self._sealed(key))
         rerun = False
         for _ in range(5):
             row, retried = await self._runner.run_again(pool, "fetchrow", self.sql.takeover, *args)
@@ -472,7 +496,11 @@ class PostgresBackend(ClosingMixin):
         pool = await self._get_pool()
         rows = await self._runner.run(pool, "fetch", self.sql.stale, float(older_than), limit, namespace)
         return [
-            StaleRecord(_row_key(row[15], row[16], row[17], self.store_keys), _record(row), row[1] == b"e")
+            StaleRecord(
+                _row_key(row[15], row[16], row[17], self.store_keys, self.key_seal, row[18]),
+                _record(row),
+                row[1] == b"e",
+            )
             for row in rows
         ]
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, ClassVar
 
 from ..errors import BackendUnavailable, ConfigurationError, missing_extra
@@ -45,6 +45,7 @@ from ..records import (
     decode_response,
     encode_response,
 )
+from ..sealed_keys import KeySeal
 from ._base import ClosingMixin, new_token
 from ._orphans import OrphanSweeper
 from ._redis_scripts import ABANDON, CLAIM, COMPLETE, EXTEND, FAIL, READ, RELEASE, TAKEOVER, WATCH
@@ -125,6 +126,9 @@ class RedisBackend(ClosingMixin):
             named by: no client key, tenant or user sits in Redis. With True, the backend records
             under `{prefix}store_keys` (before its first claim) that an app keeps them, and
             `idem-asgi migrate` then leaves them; without, it blanks them in records of earlier versions.
+        key_secret: Keep the scope and key sealed with this secret in `k` (comma-separated,
+            newest first; default `$IDEM_ASGI_KEY_SECRET`), so `stale()` lists claims by key for
+            the ops tools holding it while a dump shows none (`idem_asgi.sealed_keys`).
     """
 
     def __init__(
@@ -137,6 +141,7 @@ class RedisBackend(ClosingMixin):
         durable_replicas: int = 0,
         durable_timeout: float | None = None,
         store_keys: bool = False,
+        key_secret: str | Sequence[str] | None = None,
         _owned: bool = False,
         _lean: RespPool | None = None,
     ) -> None:
@@ -158,6 +163,7 @@ class RedisBackend(ClosingMixin):
             )
         self.durable_replicas = durable_replicas
         self.store_keys = store_keys
+        self.key_seal = KeySeal.from_setting(key_secret)
         self._raw_recorded = False  # `store_keys=True` recorded under the prefix (once per backend)
         self._sentinel: Any = None  # from_url's Sentinel (redis+sentinel://), closed with the client
         self._durable_ms = _ms(durable_timeout)
@@ -238,7 +244,7 @@ class RedisBackend(ClosingMixin):
         """
         durable: dict[str, Any] = {
             k: client_options.pop(k)
-            for k in ("durable_replicas", "durable_timeout", "store_keys")
+            for k in ("durable_replicas", "durable_timeout", "store_keys", "key_secret")
             if k in client_options
         }
         options: dict[str, Any] = {
@@ -282,6 +288,8 @@ class RedisBackend(ClosingMixin):
         """Namespace, scope and key as kept in the record: the scope and key only with `store_keys`."""
         if self.store_keys and not key.hidden:
             return _utf8(key.namespace), _utf8(key.scope), _utf8(key.key)
+        if self.key_seal is not None and not key.hidden:
+            return _utf8(key.namespace), b"", self.key_seal.seal(key).encode("ascii")
         return _utf8(key.namespace), b"", b""
 
     def _key(self, key: RecordKey) -> str:
