@@ -4,8 +4,10 @@ redis-py spends most of a call's client-side CPU in its pool, connection and com
 backend sends one small EVALSHA per operation and needs none of that. Here a call takes an idle
 connection (an `asyncio.Protocol`), packs its command (`hiredis.pack_command`), writes it and
 awaits a future; `hiredis.Reader` parses replies in `data_received` and resolves the futures in
-FIFO order (so a connection can carry pipelined calls; the pool gives each call its own, see
-`RespPool`).
+FIFO order. Single commands (`execute`, every script call) all share one connection, written
+together once per event-loop turn (auto-pipelining); a pipeline that must have a connection of
+its own (`execute_many`: a write and the `WAIT` that blocks the connection behind it) takes one
+from the pool, see `RespPool`.
 
 Failure semantics follow redis-py with a socket timeout:
 - connect (and AUTH, SELECT) is bounded by `connect_timeout` (redis-py's `socket_connect_timeout`);
@@ -16,8 +18,10 @@ Failure semantics follow redis-py with a socket timeout:
   (any other call pending on it fails with `TimeoutError` too: its reply is stuck behind the same
   stall). One lazy watchdog timer per connection checks the oldest call's deadline; no per-call
   timer and no `wait_for`;
-- a call whose caller is cancelled aborts its connection (as redis-py does), and a caller cancelled
-  while it waits for a pooled connection gets its `CancelledError`, never a timeout;
+- a call on the shared connection whose caller is cancelled leaves it be (its reply is read and
+  dropped); an `execute_many` whose caller is cancelled aborts its connection (as redis-py does);
+  a caller cancelled while it waits for a pooled connection gets its `CancelledError`, never a
+  timeout;
 - a lost connection fails every pending call with `ConnectionError`; the next call reconnects;
 - error replies are redis-py's exception classes (`NoScriptError`, `ResponseError`, ...).
 Retrying is the caller's business (`RedisBackend._call` retries once on `ConnectionError`).
@@ -61,6 +65,7 @@ class _Protocol(asyncio.Protocol):
         self.closed = False
         self.lost: asyncio.Future[None] = self.loop.create_future()
         self.timer: asyncio.TimerHandle | None = None
+        self.queued: list[bytes] = []  # commands of this turn, not yet written (see `queue`)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
@@ -80,6 +85,26 @@ class _Protocol(asyncio.Protocol):
         if self.timer is None:
             self.timer = self.loop.call_at(deadline, self._watchdog)
         return fut
+
+    def queue(self, packed: bytes, deadline: float) -> asyncio.Future[Any]:
+        """`send`, on a connection many calls share: commands queued in one event-loop turn are
+        written together, in one syscall, when the turn ends (auto-pipelining)."""
+        fut = self.loop.create_future()
+        if self.closed:
+            fut.set_exception(redis_errors.ConnectionError("connection lost"))
+            return fut
+        self.pending.append((fut, deadline))
+        if not self.queued:
+            self.loop.call_soon(self._flush)
+        self.queued.append(packed)
+        if self.timer is None:
+            self.timer = self.loop.call_at(deadline, self._watchdog)
+        return fut
+
+    def _flush(self) -> None:
+        queued, self.queued = self.queued, []
+        if not self.closed and queued:
+            self.transport.write(b"".join(queued))
 
     def send_many(self, packed: bytes, count: int, deadline: float) -> list[asyncio.Future[Any]]:
         """`count` commands packed together, written at once: one future per reply, in order."""
@@ -174,10 +199,10 @@ class Script:
 class RespPool:
     """Lazily opened connections to one Redis server (TCP or unix socket), each used by one call at a time.
 
-    A call takes an idle connection (the most recently used), or opens one while fewer than
-    `max_connections` are open, or waits (up to `timeout`) for one to come back. One call per
-    connection keeps redis-py's failure isolation: a reset, a lost reply or a stall fails only
-    the call that was on that connection.
+    `execute` shares one connection among every call in flight (see there). `execute_many` takes
+    an idle connection (the most recently used), or opens one while fewer than `max_connections`
+    are open (the shared one counts), or waits (up to `timeout`) for one to come back; it has that
+    connection to itself until its replies are in.
     """
 
     def __init__(
@@ -207,6 +232,8 @@ class RespPool:
         self._opening = 0
         self._waiters: collections.deque[asyncio.Future[_Protocol | None]] = collections.deque()
         self._closed = False
+        self._shared: _Protocol | None = None  # the connection every `execute` shares
+        self._sharing: asyncio.Future[_Protocol] | None = None  # its connect, while it runs
 
     @classmethod
     def from_url(
@@ -261,31 +288,45 @@ class RespPool:
         return Script(self, source)
 
     async def execute(self, *args: Any) -> Any:
-        """Send one command on a connection of its own and await the reply, all within `timeout`:
-        the wait for a pooled connection, a connect and the reply share one deadline, so a stalled
-        server fails a call after `timeout`, not after a pool wait plus a reply wait."""
+        """Send one command on the shared connection and await its reply, within `timeout`.
+
+        Every call in flight shares one connection: what the event loop's turn queued goes out in
+        one write and the replies come back in order in one read (ioredis' auto-pipelining,
+        redis-rs' multiplexed connection), so a busy worker pays one syscall per turn, not two
+        per call. A stalled reply fails every call behind it (they wait on the same server); a
+        cancelled caller's reply is read and dropped, the connection kept."""
         packed = _pack(args)
-        deadline = None
-        idle = self._idle
-        proto = None
-        while idle:
-            proto = idle.pop()
-            if not proto.closed:
-                break
-            self._all.discard(proto)
-            proto = None
-        if proto is None:
-            deadline = asyncio.get_running_loop().time() + self.timeout
-            proto = await self._acquire(deadline)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        proto = self._shared
+        if proto is None or proto.closed:
+            proto = await self._share(deadline)
+        return await proto.queue(packed, deadline)
+
+    async def _share(self, deadline: float) -> _Protocol:
+        """The shared connection, (re)opened once for every caller waiting on it."""
+        if self._closed:
+            raise redis_errors.ConnectionError("connection pool closed by aclose()")
+        if self._shared is not None and self._shared.closed:
+            self._all.discard(self._shared)
+            self._shared = None
+        if self._sharing is None:
+            self._sharing = asyncio.ensure_future(self._open_shared(deadline))
+        sharing = self._sharing
         try:
-            reply = await proto.send(packed, deadline)
-        except BaseException as exc:
-            if not isinstance(exc, redis_errors.RedisError):  # cancelled: its reply would still come
-                proto.abort(redis_errors.ConnectionError("call cancelled"))
-            self._release(proto)
-            raise
-        self._release(proto)
-        return reply
+            return await asyncio.shield(sharing)
+        finally:
+            if sharing.done() and self._sharing is sharing:
+                self._sharing = None
+                if not sharing.cancelled():
+                    sharing.exception()  # retrieved, also when no caller is left to see it
+
+    async def _open_shared(self, deadline: float) -> _Protocol:
+        loop = asyncio.get_running_loop()
+        proto = await self._connect(min(self.connect_timeout, max(0.0, deadline - loop.time())))
+        self._all.add(proto)
+        self._shared = proto
+        return proto
 
     async def execute_many(self, *commands: tuple[Any, ...]) -> list[Any]:
         """Send `commands` pipelined on one connection (so a `WAIT` among them covers the writes
