@@ -3,7 +3,7 @@
 PgBouncer refuses the startup parameter `default_transaction_isolation` ("unsupported startup
 parameter") and hands each transaction whichever server connection is free, so asyncpg's named
 prepared statements go missing ("prepared statement ... does not exist"). `from_dsn` sends no
-startup parameter and, seeing a pooler (`_postgres_pooler.py`), makes no named statements.
+startup parameter and, seeing a pooler (`backends/postgres/_pooler.py`), makes no named statements.
 
 Here: the start-up check, concurrent requests through the middleware (one execution, identical
 replays), a uvicorn storm, `transaction()` and its recover hook, all through a

@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
-from idem_asgi.backends._postgres_lean import LeanPool, broken_by
-from idem_asgi.backends._postgres_pool import wrapped
 from idem_asgi.backends.postgres import PostgresBackend
+from idem_asgi.backends.postgres._lean import LeanPool, broken_by
+from idem_asgi.backends.postgres._pool import wrapped
 from idem_asgi.errors import BackendUnavailable
 from idem_asgi.records import Claimed, Existing, RecordKey
 from tests.support.servers import POSTGRES_DSN, require

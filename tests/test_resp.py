@@ -1,4 +1,4 @@
-"""The lean pipelined RESP connection (idem_asgi.backends._resp) against real Redis servers.
+"""The lean pipelined RESP connection (idem_asgi.backends.redis._resp) against real Redis servers.
 
 Ordering uses the shared Redis (unique key prefix); anything that flushes scripts, stops, kills
 or configures a server runs on a throwaway `redis-server` (the `throwaway` fixture, or
@@ -19,8 +19,8 @@ import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
 from redis.credentials import UsernamePasswordCredentialProvider
 
-from idem_asgi.backends._resp import RespPool, _pack
 from idem_asgi.backends.redis import RedisBackend
+from idem_asgi.backends.redis._resp import RespPool, _pack
 from idem_asgi.records import Claimed, Existing, RecordKey
 from tests.support.servers import REDIS_URL, RedisProcess, redis_process, require
 

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any, Final
 
 import asyncpg
 
-from ..records import RecordKey
-from ._postgres_pool import _UNAVAILABLE, wrapped
+from ...records import RecordKey
+from ._pool import _UNAVAILABLE, wrapped
 
 if TYPE_CHECKING:
-    from .postgres import PostgresBackend
+    from ._store import PostgresBackend
 
 HASHED: Final = "\x1f"
 """Marks a `key` column holding a digest: no raw key starts with it (header keys are visible ASCII,

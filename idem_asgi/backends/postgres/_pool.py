@@ -13,18 +13,18 @@ import contextlib
 from time import monotonic
 from typing import Any, Final
 
-from ..errors import BackendError, BackendMisconfigured, BackendUnavailable
+from ...errors import BackendError, BackendMisconfigured, BackendUnavailable
 
 try:
     import asyncpg
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    from ..errors import missing_extra
+    from ...errors import missing_extra
 
     raise missing_extra("PostgresBackend needs asyncpg", "postgres") from exc
 
 # after the check above: these need asyncpg
-from ._postgres_lean import LeanPool, broken_by
-from ._postgres_pooler import pooler_refusal
+from ._lean import LeanPool, broken_by
+from ._pooler import pooler_refusal
 
 # asyncpg raises asyncio.TimeoutError, which is the builtin TimeoutError only from Python 3.11.
 _TIMEOUT: Final = (TimeoutError, asyncio.TimeoutError)

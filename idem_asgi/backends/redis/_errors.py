@@ -9,7 +9,7 @@ from redis import exceptions as redis_errors
 from redis.asyncio.sentinel import MasterNotFoundError
 from redis.sentinel import MasterNotFoundError as SyncMasterNotFoundError
 
-from ..errors import BackendError, BackendMisconfigured, BackendUnavailable
+from ...errors import BackendError, BackendMisconfigured, BackendUnavailable
 
 # Errors that mean "Redis did not answer (in time)": the command may or may not have run.
 UNAVAILABLE: Final = (

@@ -17,18 +17,18 @@ from typing import Any, ClassVar, Final, Literal
 import anyio
 import msgspec
 
-from ..errors import (
+from ...errors import (
     BackendError,
     BackendMisconfigured,
     ClaimLost,
     ConfigurationError,
     missing_extra,
 )
-from ..records import COMPLETED, IN_PROGRESS, Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
-from ..records import StaleRecord as StaleRecord  # re-exported: it was defined here before records.py
-from ._base import ClosingMixin, new_token
-from ._orphans import OrphanSweeper
-from ._postgres_sql import DDL, Statements, index_name
+from ...records import COMPLETED, IN_PROGRESS, Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
+from ...records import StaleRecord as StaleRecord  # re-exported: it was defined here before records.py
+from .._base import ClosingMixin, new_token
+from .._orphans import OrphanSweeper
+from ._sql import DDL, Statements, index_name
 
 try:
     import asyncpg
@@ -36,12 +36,12 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise missing_extra("PostgresBackend needs asyncpg", "postgres") from exc
 
 # After the check above: these need asyncpg.
-from . import _postgres_keys
-from ._postgres_effects import effect_transaction, live_claim
-from ._postgres_keys import HASHED
-from ._postgres_lean import POOL_ONLY, LeanPool
-from ._postgres_pool import _UNAVAILABLE, Runner, keep_session, wrapped
-from ._postgres_pooler import probe, probe_dsn, try_a_transaction
+from . import _keys
+from ._effects import effect_transaction, live_claim
+from ._keys import HASHED
+from ._lean import POOL_ONLY, LeanPool
+from ._pool import _UNAVAILABLE, Runner, keep_session, wrapped
+from ._pooler import probe, probe_dsn, try_a_transaction
 
 logger = logging.getLogger("idem_asgi")
 
@@ -136,12 +136,12 @@ class PostgresBackend(ClosingMixin):
         creates it): a missing table is then a `BackendMisconfigured` naming `idem-asgi migrate`.
 
         The pool holds `min_size=2` to `max_size=20` connections (`pool_options`). Before it is
-        built, one connection is asked two things (`_postgres_pooler.py`): whether it goes through
+        built, one connection is asked two things (`_pooler.py`): whether it goes through
         a pooler such as PgBouncer (then the pool's connections make no named prepared statements,
         `statement_cache_size=0`, unless you set it), and the sessions' default isolation (not
         READ COMMITTED, which the claim relies on: then each statement runs in a READ COMMITTED
         transaction). No startup parameter is sent, so a stock PgBouncer in transaction mode
-        serves the plain URL. It is a lean pool of raw asyncpg connections (`_postgres_lean.py`:
+        serves the plain URL. It is a lean pool of raw asyncpg connections (`_lean.py`:
         half the client CPU per statement of asyncpg's pool, callers served in order); every
         other option goes to `asyncpg.connect` (`ssl`, `server_settings`, `statement_cache_size`,
         ...). Given an option only asyncpg's pool has (`init`, `setup`, `connect`, `reset`,
@@ -273,21 +273,21 @@ class PostgresBackend(ClosingMixin):
         so it never hides a row from an app that looks it up raw. Returns (rewritten, left): a row
         whose digest row already exists (claimed again by a newer version meanwhile) is left as it
         is, to expire with its TTL."""
-        return await _postgres_keys.hash_stored_keys(self, batch_size)
+        return await _keys.hash_stored_keys(self, batch_size)
 
     async def record_raw_keys(self) -> None:
         """Record in the table that an app looks rows up by raw keys (`store_keys=True` does it before
         its first write; `idem-asgi migrate --store-keys` too), so `migrate` keeps them."""
-        await _postgres_keys.record_raw_keys(self)
+        await _keys.record_raw_keys(self)
         self._raw_recorded = True
 
     async def raw_keys_recorded(self) -> float | None:
         """When an app with `store_keys=True` last recorded that it uses this table, or None."""
-        return await _postgres_keys.raw_keys_recorded(self)
+        return await _keys.raw_keys_recorded(self)
 
     async def forget_raw_keys(self) -> None:
         """Drop that record (`idem-asgi migrate --no-store-keys`, once no such worker runs)."""
-        await _postgres_keys.forget_raw_keys(self)
+        await _keys.forget_raw_keys(self)
 
     async def _claim(self, key: RecordKey, fingerprint: bytes, lease: float, ttl: float, token: int) -> ClaimResult:
         pool = await self._get_pool()

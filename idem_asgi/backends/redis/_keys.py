@@ -13,11 +13,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from ._redis_scripts import BLANK_NAMES
-from ._redis_stale import _glob_escape
+from ._scripts import BLANK_NAMES
+from ._stale import _glob_escape
 
 if TYPE_CHECKING:
-    from .redis import RedisBackend
+    from ._store import RedisBackend
 
 
 def mark(store: RedisBackend) -> str:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any, Final
 
-from ..records import IN_PROGRESS, Record, RecordKey, StaleRecord
+from ...records import IN_PROGRESS, Record, RecordKey, StaleRecord
 
 if TYPE_CHECKING:
-    from .redis import RedisBackend
+    from ._store import RedisBackend
 
 _STALE_FIELDS: Final = ("s", "f", "t", "l", "e", "n", "o", "k", "x")
 _DIGEST: Final = re.compile(rb"[0-9a-f]{64}")

@@ -31,8 +31,8 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar
 
-from ..errors import BackendUnavailable, ConfigurationError, missing_extra
-from ..records import (
+from ...errors import BackendUnavailable, ConfigurationError, missing_extra
+from ...records import (
     COMPLETED,
     IN_PROGRESS,
     Claimed,
@@ -45,9 +45,9 @@ from ..records import (
     decode_response,
     encode_response,
 )
-from ._base import ClosingMixin, new_token
-from ._orphans import OrphanSweeper
-from ._redis_scripts import ABANDON, CLAIM, COMPLETE, EXTEND, FAIL, READ, RELEASE, TAKEOVER, WATCH
+from .._base import ClosingMixin, new_token
+from .._orphans import OrphanSweeper
+from ._scripts import ABANDON, CLAIM, COMPLETE, EXTEND, FAIL, READ, RELEASE, TAKEOVER, WATCH
 
 try:
     import redis.asyncio as aioredis
@@ -58,12 +58,12 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise missing_extra("RedisBackend needs redis-py", "redis") from exc
 
 # After the check above: these need redis-py.
-from . import _redis_keys
-from ._redis_durable import run_then_wait, warn_on_replication
-from ._redis_errors import MISCONFIGURED, UNAVAILABLE, wrapped
-from ._redis_notices import Notices
-from ._redis_stale import scan_stale
-from ._redis_url import check_options
+from . import _keys
+from ._durable import run_then_wait, warn_on_replication
+from ._errors import MISCONFIGURED, UNAVAILABLE, wrapped
+from ._notices import Notices
+from ._stale import scan_stale
+from ._url import check_options
 
 try:
     from ._resp import RespPool
@@ -254,7 +254,7 @@ class RedisBackend(ClosingMixin):
         }
         client: Any
         if url.lower().startswith("redis+sentinel://"):
-            from ._redis_sentinel import durable_options, sentinel_client
+            from ._sentinel import durable_options, sentinel_client
 
             # Sentinel means replicas: claims are durable unless the URL or the caller says otherwise.
             url, durable = durable_options(url, durable)
@@ -521,21 +521,21 @@ class RedisBackend(ClosingMixin):
         each batch in one pipelined round trip; `idem-asgi migrate` runs it. Blanks nothing while
         an app with `store_keys=True` is recorded under this prefix (`raw_keys_recorded`).
         Returns (rewritten, 0)."""
-        return await _redis_keys.hash_stored_keys(self, scan_count)
+        return await _keys.hash_stored_keys(self, scan_count)
 
     async def record_raw_keys(self) -> None:
         """Record under `{prefix}store_keys` that an app keeps raw keys (`store_keys=True` does it
         before its first claim; `idem-asgi migrate --store-keys` too), so `migrate` keeps them."""
-        await _redis_keys.record_raw_keys(self)
+        await _keys.record_raw_keys(self)
         self._raw_recorded = True
 
     async def raw_keys_recorded(self) -> float | None:
         """When an app with `store_keys=True` last recorded that it uses this prefix, or None."""
-        return await _redis_keys.raw_keys_recorded(self)
+        return await _keys.raw_keys_recorded(self)
 
     async def forget_raw_keys(self) -> None:
         """Drop that record (`idem-asgi migrate --no-store-keys`, once no such worker runs)."""
-        await _redis_keys.forget_raw_keys(self)
+        await _keys.forget_raw_keys(self)
 
     async def purge(self, batch_size: int = 1000) -> int:
         """Nothing to do: every record key carries its TTL (`PEXPIRE`), so Redis deletes it itself.
