@@ -18,7 +18,7 @@ import heapq
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import msgspec
 
@@ -60,8 +60,6 @@ class MemoryBackend(ClosingMixin):
             unscoped key space of single-tenant routes is exempt).
         clock: Seconds since the epoch (tests pass a fake one).
     """
-
-    SCHEMES: ClassVar[tuple[str, ...]] = ("memory",)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> MemoryBackend:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from typing import Any, ClassVar, Final, Literal
+from typing import Any, Final, Literal
 
 import anyio
 import msgspec
@@ -102,8 +102,6 @@ class PostgresBackend(ClosingMixin):
         self._orphans = OrphanSweeper(self._abandon_claim)
         self._runner = Runner(timeout, self.table)
         self.sql = Statements(self.table)
-
-    SCHEMES: ClassVar[tuple[str, ...]] = ("postgres", "postgresql")
 
     @property
     def timeout(self) -> float:

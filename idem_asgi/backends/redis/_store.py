@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any, ClassVar
+from typing import Any
 
 from ...errors import BackendUnavailable, ConfigurationError, missing_extra
 from ...records import (
@@ -191,8 +191,6 @@ class RedisBackend(ClosingMixin):
         self._notices = Notices(client, self._channel[0]) if self._channel else None
         # (redis key, token) -> [give-up time (monotonic), seen absent once]
         self._orphans = OrphanSweeper(self._abandon_claim)
-
-    SCHEMES: ClassVar[tuple[str, ...]] = ("redis", "rediss", "unix", "redis+sentinel")
 
     @classmethod
     def from_url(
