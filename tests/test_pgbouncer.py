@@ -181,10 +181,12 @@ async def test_a_startup_parameter_the_pooler_refuses_fails_at_start_up_naming_t
 
 
 async def test_asyncpg_s_own_pool_gets_the_same_treatment_through_a_pooler(bouncer: str) -> None:
-    """Given an option only asyncpg's pool has, `from_dsn` builds that pool: it too makes no named
+    """With `implementation="asyncpg"`, `from_dsn` builds asyncpg's pool: it too makes no named
     prepared statements behind a pooler (before: "prepared statement ... does not exist" once the
     statements were reused on other server connections)."""
-    backend = PostgresBackend.from_dsn(bouncer, table=TEST_TABLE, max_size=10, max_inactive_connection_lifetime=60)
+    backend = PostgresBackend.from_dsn(
+        bouncer, table=TEST_TABLE, max_size=10, implementation="asyncpg", max_inactive_connection_lifetime=60
+    )
     try:
         await backend.check()
         namespace = f"pgb-{uuid.uuid4().hex}"

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 from ...context import ClaimHandle, current_idempotency
 from ...errors import ClaimLost, ConfigurationError
 from ._lean import LeanPool, broken_by
-from ._pool import _UNAVAILABLE, wrapped
 
 if TYPE_CHECKING:
     from ._store import PostgresBackend
@@ -79,13 +78,9 @@ async def _connection(store: PostgresBackend, connection: Any) -> AsyncIterator[
     if connection is not None:
         yield connection
         return
-    import asyncpg
-
     pool = await store._get_pool()
-    try:
+    with store._runner.errors:
         conn = await pool.acquire(timeout=store.timeout)
-    except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
-        raise wrapped(exc, store.table) from exc
     try:
         yield conn
     except BaseException as exc:

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, Final
 import asyncpg
 
 from ...records import RecordKey
-from ._pool import _UNAVAILABLE, wrapped
 
 if TYPE_CHECKING:
     from ._store import PostgresBackend
@@ -78,7 +77,7 @@ async def hash_stored_keys(backend: PostgresBackend, batch_size: int) -> tuple[i
         f"UPDATE {t} SET scope = '', key = $4 WHERE namespace = $1 AND scope = $2 AND key = $3 "
         f"AND NOT EXISTS (SELECT 1 FROM {t} WHERE namespace = '' AND scope = '' AND key = $5)"
     )
-    try:
+    with backend._runner.errors:
         async with pool.acquire(timeout=timeout) as conn:
             while True:
                 rows = await conn.fetch(select, *last, HASHED, batch_size, timeout=timeout)
@@ -98,8 +97,6 @@ async def hash_stored_keys(backend: PostgresBackend, batch_size: int) -> tuple[i
                     elif await _recorded(conn, t, timeout):
                         return rewritten, left  # an app keeping raw keys started meanwhile: stop
                 last = tuple(rows[-1])
-    except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
-        raise wrapped(exc, t) from exc
 
 
 async def _recorded(conn: Any, table: str, timeout: float) -> bool:

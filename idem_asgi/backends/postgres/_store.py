@@ -40,7 +40,7 @@ from . import _keys
 from ._effects import effect_transaction, live_claim
 from ._keys import HASHED
 from ._lean import POOL_ONLY, LeanPool
-from ._pool import _UNAVAILABLE, Runner, keep_session, wrapped
+from ._pool import Runner, keep_session
 from ._pooler import probe, probe_dsn, try_a_transaction
 
 logger = logging.getLogger("idem_asgi")
@@ -97,6 +97,7 @@ class PostgresBackend(ClosingMixin):
         self._dsn: str | None = None
         self._pool_options: dict[str, Any] = {}
         self._create_table = True
+        self._lean = True  # from_dsn's `implementation`: the lean pool, or asyncpg's
         self._owned = False
         self._lock = anyio.Lock()
         self._orphans = OrphanSweeper(self._abandon_claim)
@@ -126,6 +127,7 @@ class PostgresBackend(ClosingMixin):
         timeout: float = 5.0,
         create_table: bool = True,
         store_keys: bool = False,
+        implementation: Literal["lean", "asyncpg"] = "lean",
         **pool_options: Any,
     ) -> PostgresBackend:
         """A backend that creates (and owns) its pool on first use, and its table if missing.
@@ -139,15 +141,26 @@ class PostgresBackend(ClosingMixin):
         `statement_cache_size=0`, unless you set it), and the sessions' default isolation (not
         READ COMMITTED, which the claim relies on: then each statement runs in a READ COMMITTED
         transaction). No startup parameter is sent, so a stock PgBouncer in transaction mode
-        serves the plain URL. It is a lean pool of raw asyncpg connections (`_lean.py`:
-        half the client CPU per statement of asyncpg's pool, callers served in order); every
-        other option goes to `asyncpg.connect` (`ssl`, `server_settings`, `statement_cache_size`,
-        ...). Given an option only asyncpg's pool has (`init`, `setup`, `connect`, `reset`,
-        `max_queries`, `max_inactive_connection_lifetime`), asyncpg's `create_pool` is used instead,
-        with a reset hook that sends nothing unless you pass `reset` (the backend leaves no session
-        state behind, and asyncpg's reset query would double the round trips).
+        serves the plain URL.
+
+        `implementation` picks the pool. `"lean"` (the default): a pool of raw asyncpg connections
+        (`_lean.py`: half the client CPU per statement of asyncpg's pool, callers served in order);
+        every other option goes to `asyncpg.connect` (`ssl`, `server_settings`,
+        `statement_cache_size`, ...), and an option only asyncpg's pool has (`init`, `setup`,
+        `connect`, `reset`, `max_queries`, `max_inactive_connection_lifetime`) is a
+        `ConfigurationError` naming `implementation="asyncpg"`. `"asyncpg"`: `asyncpg.create_pool`
+        with all the options, and a reset hook that sends nothing unless you pass `reset` (the
+        backend leaves no session state behind, and asyncpg's reset query would double the round trips).
         """
+        pool_only = sorted((POOL_ONLY | {"reset"}) & pool_options.keys())
+        if implementation not in ("lean", "asyncpg"):
+            raise ConfigurationError(f"implementation must be 'lean' or 'asyncpg', got {implementation!r}")
+        if implementation == "lean" and pool_only:
+            raise ConfigurationError(
+                f"{', '.join(pool_only)}: an option of asyncpg's pool; pass implementation='asyncpg' to use it"
+            )
         backend = cls(table=table, timeout=timeout, store_keys=store_keys)
+        backend._lean = implementation == "lean"
         backend._dsn = dsn
         backend._create_table = create_table
         backend._pool_options = {"min_size": 2, "max_size": 20, **pool_options}
@@ -167,28 +180,30 @@ class PostgresBackend(ClosingMixin):
         # The wait for another request's attempt counts against this request's timeout: with the
         # server hung, the tenth caller would otherwise wait ten timeouts.
         try:
-            with anyio.fail_after(self.timeout):
+            with self._runner.errors, anyio.fail_after(self.timeout):
                 async with self._lock:
                     if self._pool is None:
-                        options = await self._probed_options()
-                        pool: Any
-                        if POOL_ONLY.isdisjoint(options) and "reset" not in options:
-                            pool = await LeanPool(self._dsn, **options).start()
-                        else:
-                            pool = await asyncpg.create_pool(self._dsn, **{"reset": keep_session, **options})
-                        try:
-                            if self._create_table:
-                                async with pool.acquire() as conn:
-                                    await self._create(conn)
-                        except BaseException:
-                            pool.terminate()
-                            raise
-                        self._pool = pool
-        except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
-            raise wrapped(exc, self.table) from exc
+                        self._pool = await self._new_pool(self._dsn)
         except ValueError as exc:  # an unparseable DSN (asyncpg's ClientConfigurationError is one too)
             raise BackendMisconfigured(f"postgres: invalid DSN: {exc}") from exc
         return self._pool
+
+    async def _new_pool(self, dsn: str) -> Any:
+        """The pool `from_dsn`'s `implementation` names, with the table made if asked."""
+        options = await self._probed_options()
+        pool: Any
+        if self._lean:
+            pool = await LeanPool(dsn, **options).start()
+        else:
+            pool = await asyncpg.create_pool(dsn, **{"reset": keep_session, **options})
+        try:
+            if self._create_table:
+                async with pool.acquire() as conn:
+                    await self._create(conn)
+        except BaseException:
+            pool.terminate()
+            raise
+        return pool
 
     async def _probed_options(self) -> dict[str, Any]:
         """The pool's options, after asking one connection what it goes through (see `from_dsn`)."""
@@ -222,11 +237,9 @@ class PostgresBackend(ClosingMixin):
         """
         await self.setup()
         pool = await self._get_pool()
-        try:
+        with self._runner.errors:
             async with pool.acquire(timeout=self.timeout) as conn:
                 await try_a_transaction(conn, self.timeout)  # PgBouncer's statement mode refuses it
-        except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
-            raise wrapped(exc, self.table) from exc
         sql = (
             "SELECT has_table_privilege($1, 'SELECT') AND has_table_privilege($1, 'INSERT') "
             "AND has_table_privilege($1, 'UPDATE') AND has_table_privilege($1, 'DELETE')"
@@ -251,12 +264,10 @@ class PostgresBackend(ClosingMixin):
         statement then runs in a READ COMMITTED transaction.
         """
         pool = await self._get_pool()
-        try:
+        with self._runner.errors:
             async with pool.acquire(timeout=self.timeout) as conn:
                 self._runner.isolate = (await probe(conn, self.timeout)).isolation != "read committed"
                 await self._create(conn)
-        except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
-            raise wrapped(exc, self.table) from exc
 
     def _id(self, key: RecordKey) -> tuple[str, str, str]:
         """The row's (namespace, scope, key) columns: the raw values, or the digest alone."""

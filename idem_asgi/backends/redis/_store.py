@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...errors import BackendUnavailable, ConfigurationError, missing_extra
 from ...records import (
@@ -50,25 +50,20 @@ from .._orphans import OrphanSweeper
 from ._scripts import ABANDON, CLAIM, COMPLETE, EXTEND, FAIL, READ, RELEASE, TAKEOVER, WATCH
 
 try:
-    import redis.asyncio as aioredis
     from redis import exceptions as redis_errors
-    from redis.asyncio.retry import Retry
-    from redis.backoff import ExponentialBackoff
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise missing_extra("RedisBackend needs redis-py", "redis") from exc
 
 # After the check above: these need redis-py.
 from . import _keys
+from ._connect import Implementation, lean_pool, open_url, refuse_decoding
+
+if TYPE_CHECKING:
+    from ._resp import RespPool
 from ._durable import run_then_wait, warn_on_replication
-from ._errors import MISCONFIGURED, UNAVAILABLE, wrapped
+from ._errors import DRIVER_ERRORS, retried
 from ._notices import Notices
 from ._stale import scan_stale
-from ._url import check_options
-
-try:
-    from ._resp import RespPool
-except ImportError:  # pragma: no cover - hiredis missing: redis-py serves every call
-    RespPool = None  # type: ignore[assignment,misc]
 
 logger = logging.getLogger("idem_asgi")
 
@@ -125,6 +120,10 @@ class RedisBackend(ClosingMixin):
             named by: no client key, tenant or user sits in Redis. With True, the backend records
             under `{prefix}store_keys` (before its first claim) that an app keeps them, and
             `idem-asgi migrate` then leaves them; without, it blanks them in records of earlier versions.
+        implementation: Which client serves the per-request script calls. `"auto"` (the default):
+            the lean pool where the client allows it (above), redis-py otherwise; `"lean"`: the
+            lean pool, and `ConfigurationError` for a client it cannot serve (or without
+            hiredis); `"redis-py"`: the client itself, always.
     """
 
     def __init__(
@@ -137,12 +136,11 @@ class RedisBackend(ClosingMixin):
         durable_replicas: int = 0,
         durable_timeout: float | None = None,
         store_keys: bool = False,
+        implementation: Implementation = "auto",
         _owned: bool = False,
         _lean: RespPool | None = None,
     ) -> None:
-        kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
-        if kwargs.get("decode_responses") or (getattr(client, "get_encoder", None) and _decodes(client)):
-            raise ConfigurationError("RedisBackend needs a client made with decode_responses=False")
+        refuse_decoding(client)
         if max_concurrency is not None and max_concurrency < 1:
             raise ConfigurationError(f"max_concurrency must be at least 1, got {max_concurrency!r}")
         self.client = client
@@ -161,11 +159,9 @@ class RedisBackend(ClosingMixin):
         self._raw_recorded = False  # `store_keys=True` recorded under the prefix (once per backend)
         self._sentinel: Any = None  # from_url's Sentinel (redis+sentinel://), closed with the client
         self._durable_ms = _ms(durable_timeout)
-        # from_url's lean connection pool (see _resp.py) serves the hot script calls; the
-        # redis-py client then only serves the tools (stale, SCAN) and connects when they run.
-        if _lean is None and RespPool is not None:
-            _lean = RespPool.from_client(client, timeout=timeout)
-        self._lean = _lean
+        # The lean connection pool (see _connect.py), where there is one, serves the hot script
+        # calls; the redis-py client then only serves the tools (stale, SCAN) and connects when they run.
+        self._lean = lean_pool(client, implementation, timeout=timeout) if _lean is None else _lean
         self._slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         # redis-py's RedisCluster builds its slot map on first use and then recycles every
         # connection; a burst arriving during that start-up sees "Connection closed by server".
@@ -201,6 +197,7 @@ class RedisBackend(ClosingMixin):
         max_connections: int = 256,
         timeout: float = 2.0,
         cluster: bool = False,
+        implementation: Implementation = "auto",
         **client_options: Any,
     ) -> RedisBackend:
         """Build a backend that owns its client (`redis://`, `rediss://`, `unix://` or
@@ -219,6 +216,8 @@ class RedisBackend(ClosingMixin):
                 server at once (one immediate retry on a fresh connection covers stale
                 pooled connections after a restart).
             cluster: Use `redis.asyncio.RedisCluster` (keys hash by their `{digest}` tag).
+            implementation: `"auto"`, `"lean"` or `"redis-py"`: which client serves the script
+                calls (see the class, and below).
             client_options: Passed to redis-py (`ssl_ca_certs`, `username`, `password`, ...),
                 and `durable_replicas` / `durable_timeout` to the backend (see the class). With
                 `redis+sentinel://`, `durable_replicas` defaults to 1 (a claim counts once a replica
@@ -227,54 +226,33 @@ class RedisBackend(ClosingMixin):
 
         The URL is parsed by redis-py alone (its rules for the db in the path or in `?db=`, for
         credentials and query options). For a `redis://` or `unix://` URL without cluster, the
-        script calls go through a lean connection pool (`_resp.RespPool`, hiredis; same server,
-        db, credentials, size, timeouts and one-retry rule) that costs a fraction of redis-py's
-        CPU per call, and the redis-py client serves only the ops tools; a URL or option asking
-        for what the lean pool does not do (TLS, RESP3, `client_name`, `retry_on_timeout`,
-        `health_check_interval`, ...) leaves every call to redis-py. An option redis-py's
-        connections do not take (a typo) raises `ConfigurationError` here, not at the first request.
+        script calls go (`implementation="auto"` or `"lean"`) through a lean connection pool
+        (`_resp.RespPool`, hiredis; same server, db, credentials, size, timeouts and one-retry
+        rule) that costs a fraction of redis-py's CPU per call, and the redis-py client serves only
+        the ops tools; a URL or option asking for what the lean pool does not do (TLS, RESP3,
+        `client_name`, `retry_on_timeout`, `health_check_interval`, ...) leaves every call to
+        redis-py (`"auto"`) or is refused (`"lean"`). An option redis-py's connections do not take
+        (a typo) raises `ConfigurationError` here, not at the first request.
         """
-        durable: dict[str, Any] = {
-            k: client_options.pop(k)
-            for k in ("durable_replicas", "durable_timeout", "store_keys")
-            if k in client_options
-        }
-        options: dict[str, Any] = {
-            "socket_timeout": timeout,
-            "socket_connect_timeout": timeout,
-            # Retry once, at once, on a dropped connection (a restarted server leaves stale
-            # pooled sockets); never on a timeout, which would double the time to answer 503.
-            "retry": Retry(
-                ExponentialBackoff(cap=0.05, base=0.01), retries=1, supported_errors=(redis_errors.ConnectionError,)
-            ),
-            "decode_responses": False,
-            **client_options,
-        }
-        client: Any
-        if url.lower().startswith("redis+sentinel://"):
-            from ._sentinel import durable_options, sentinel_client
-
-            # Sentinel means replicas: claims are durable unless the URL or the caller says otherwise.
-            url, durable = durable_options(url, durable)
-            client, sentinel = sentinel_client(url, max_connections=max_connections, **options)
-            backend = cls(
-                client, prefix=prefix, max_concurrency=max_connections, timeout=timeout, _owned=True, **durable
-            )
-            backend._sentinel = sentinel
-            return backend
-        if cluster:
-            client = aioredis.RedisCluster.from_url(url, max_connections=max_connections, **options)
-            return cls(client, prefix=prefix, max_concurrency=max_connections, timeout=timeout, _owned=True, **durable)
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=timeout, **options
+        opened = open_url(
+            url,
+            max_connections=max_connections,
+            timeout=timeout,
+            cluster=cluster,
+            implementation=implementation,
+            options=client_options,
         )
-        check_options(pool)
-        client = aioredis.Redis.from_pool(pool)
-        # The lean pool reads redis-py's own parse of the URL: both use one server, one db, one user.
-        lean = None
-        if RespPool is not None:
-            lean = RespPool.from_client(client, timeout=timeout, max_connections=max_connections)
-        return cls(client, prefix=prefix, timeout=timeout, _owned=True, _lean=lean, **durable)
+        backend = cls(
+            opened.client,
+            prefix=prefix,
+            timeout=timeout,
+            implementation=implementation,
+            _owned=True,
+            _lean=opened.lean,
+            **opened.backend_options,
+        )
+        backend._sentinel = opened.sentinel
+        return backend
 
     def _names(self, key: RecordKey) -> tuple[bytes, bytes, bytes]:
         """Namespace, scope and key as kept in the record: the scope and key only with `store_keys`."""
@@ -292,24 +270,21 @@ class RedisBackend(ClosingMixin):
                 self._starting = False
 
     async def _call(self, script: Any, name: str, *args: Any) -> Any:
-        try:
+        with DRIVER_ERRORS:
             if self._starting:
                 await self._start()
             if self._lean is not None:
                 try:
                     return await script(keys=[name], args=args)
                 except redis_errors.ConnectionError as exc:
-                    if isinstance(exc, MISCONFIGURED):
+                    if not retried(exc):
                         raise
-                    # Once, at once, on a fresh connection (as redis-py's Retry does): a restarted
-                    # server drops the connection. Every script is idempotent for its caller's token.
+                    # A restarted server drops the connection. Every script is idempotent for its caller's token.
                     return await script(keys=[name], args=args)
             if self._slots is None:
                 return await script(keys=[name], args=args)
             async with self._slot():
                 return await script(keys=[name], args=args)
-        except (*UNAVAILABLE, redis_errors.RedisError) as exc:
-            raise wrapped(exc) from exc
 
     @contextlib.asynccontextmanager
     async def _slot(self) -> AsyncIterator[None]:
@@ -350,7 +325,7 @@ class RedisBackend(ClosingMixin):
 
     async def _call_durable(self, script: Any, name: str, *args: Any) -> tuple[Any, int]:
         """`_call`, and how many replicas confirmed the write (`WAIT` behind it, same connection)."""
-        try:
+        with DRIVER_ERRORS:
             if self._starting:
                 await self._start()
             async with self._slot():
@@ -359,14 +334,12 @@ class RedisBackend(ClosingMixin):
                         self.client, self._lean, script, name, args, self.durable_replicas, self._durable_ms
                     )
                 except redis_errors.ConnectionError as exc:
-                    if self._lean is None or isinstance(exc, MISCONFIGURED):
+                    if self._lean is None or not retried(exc):
                         raise
                     # Once, at once, on a fresh connection, as `_call` does (redis-py retries itself).
                     return await run_then_wait(
                         self.client, self._lean, script, name, args, self.durable_replicas, self._durable_ms
                     )
-        except (*UNAVAILABLE, redis_errors.RedisError) as exc:
-            raise wrapped(exc) from exc
 
     async def _withdraw(self, name: str, token: int, ttl: float, acked: int) -> None:
         """A claim the replicas did not confirm: take it back (or leave it to the orphan sweep),
@@ -486,13 +459,11 @@ class RedisBackend(ClosingMixin):
     @contextlib.asynccontextmanager
     async def _tool_call(self) -> AsyncIterator[None]:
         """One `max_concurrency` slot and the same error mapping as `_call`, for multi-command tools."""
-        try:
+        with DRIVER_ERRORS:
             if self._starting:
                 await self._start()
             async with self._slot():
                 yield
-        except (*UNAVAILABLE, redis_errors.RedisError) as exc:
-            raise wrapped(exc) from exc
 
     async def stale(
         self, older_than: float = 0.0, limit: int = 1000, *, namespace: str | None = None, scan_count: int = 500
@@ -570,10 +541,3 @@ class RedisBackend(ClosingMixin):
         if self._sentinel is not None:
             for sentinel in self._sentinel.sentinels:
                 await sentinel.aclose()
-
-
-def _decodes(client: Any) -> bool:
-    try:
-        return bool(client.get_encoder().decode_responses)
-    except Exception:
-        return False
