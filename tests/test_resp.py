@@ -327,3 +327,30 @@ async def test_a_cancelled_request_waiting_for_a_redis_connection_never_runs_fai
         assert app.runs["cancelled-while-waiting"] == 0
         retry = await post(mw, "cancelled-while-waiting")  # nothing ran, nothing is held: the retry runs it
         assert retry.status == 201 and app.runs["cancelled-while-waiting"] == 1
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "NOSCRIPT No matching script. Please use EVAL.",
+        "ERR max number of clients reached",
+        "ERR invalid password",
+        "ERR unknown command 'EVALSHA', with args beginning with: ",
+        "WRONGPASS invalid username-password pair or user is disabled.",
+        "NOAUTH Authentication required.",
+        "NOPERM this user has no permissions to run the 'evalsha' command",
+        "READONLY You can't write against a read only replica.",
+        "LOADING Redis is loading the dataset in memory",
+        "OOM command not allowed when used memory > 'maxmemory'.",
+        "BUSY Redis is busy running a script.",
+    ],
+)
+def test_an_error_reply_becomes_the_exception_redis_py_raises(reply: str) -> None:
+    """The lean pool's own table (no import of redis-py's private parser) agrees with redis-py's."""
+    import hiredis
+    from redis._parsers.base import BaseParser  # the test may look: it tells when redis-py changes
+
+    from idem_asgi.backends.redis._replies import error
+
+    ours, theirs = error(hiredis.ReplyError(reply)), BaseParser.parse_error(reply)  # type: ignore[no-untyped-call]
+    assert (type(ours), str(ours)) == (type(theirs), str(theirs))

@@ -33,19 +33,14 @@ from urllib.parse import urlparse
 
 import hiredis
 from redis import exceptions as redis_errors
-from redis._parsers.base import BaseParser
 
+from ._replies import error as _error
 from ._url import lean_settings
 
 
 def _pack(args: tuple[Any, ...]) -> bytes:
     packed: bytes = hiredis.pack_command(args)
     return packed
-
-
-def _error(reply: hiredis.ReplyError) -> Exception:
-    exc: Exception = BaseParser.parse_error(str(reply))  # type: ignore[no-untyped-call]
-    return exc
 
 
 class _Protocol(asyncio.Protocol):
