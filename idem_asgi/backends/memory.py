@@ -152,17 +152,6 @@ class MemoryBackend(ClosingMixin):
         if usage is not None and (usage[0] >= self._scope_entries or usage[1] >= self._scope_bytes):
             raise StoreFull("this caller holds its full share of the memory store (scope_share)", scope_quota=True)
 
-    def _insert(self, key: RecordKey, rec: Record) -> None:
-        digest = key.digest
-        self._records[digest] = rec
-        self._keys[digest] = key
-        if key.scope:
-            self._scopes.setdefault(key.scope, [0, 0])[0] += 1
-        heapq.heappush(self._expiry, (rec.expires_at, digest))
-        if len(self._expiry) > 2 * len(self._records) + 1024:
-            self._expiry = [(r.expires_at, d) for d, r in self._records.items()]
-            heapq.heapify(self._expiry)
-
     def _fits(self, key: RecordKey, size: int) -> bool:
         if self._bytes + size > self.max_bytes:
             return False
