@@ -1,16 +1,11 @@
 """Redis store: one Lua script per operation, so a claim-or-read is one atomic round trip.
 
 Layout: one hash per record at `{prefix}{<digest>}` (the digest is the hash tag, so a record
-never spans Redis Cluster slots and client characters never reach the key). Fields: `s` state
-(`p` in progress, `u` in progress whose holder failed mid-answer, `c` completed), `f`
-fingerprint, `t` fencing token, `l` lease deadline and `e` expiry (ms, Redis clock), `r` the
-msgpack-encoded response, `x` the TTL the record was claimed with (ms, so `reconcile` keeps a
-resolved answer as long as the route would), and `n`, `o`, `k` the record's namespace, scope and
-key (UTF-8; written at claim and takeover, read only by `stale()`, so the ops tools can name a
-stuck claim; a record written by an idem_asgi version without these fields is listed with
-namespace, scope and key "?"). The key's own expiry is the route TTL, so an in-progress record
-whose holder died stays visible (and blocks) after its lease ends, until recovery or the TTL
-resolves it.
+never spans Redis Cluster slots and client characters never reach the key); its fields are in
+`_scripts`. `n`, `o`, `k` (namespace, scope, key) are read only by `stale()`; a record written by
+an idem_asgi version without them is listed with "?" for each. The key's own expiry is the route
+TTL, so an in-progress record whose holder died stays visible (and blocks) after its lease ends,
+until recovery or the TTL resolves it.
 
 Scripts are idempotent for their caller's token, so a retried command whose reply was lost
 cannot turn our own claim into a conflict.
@@ -26,23 +21,18 @@ then `outcome-unknown` until the TTL.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ...errors import BackendUnavailable, ConfigurationError, missing_extra
 from ...records import (
-    COMPLETED,
-    IN_PROGRESS,
     Claimed,
     ClaimResult,
     Existing,
     Record,
     RecordKey,
-    StaleRecord,
     StoredResponse,
-    decode_response,
     encode_response,
 )
 from .._base import ClosingMixin, new_token
@@ -55,15 +45,16 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise missing_extra("RedisBackend needs redis-py", "redis") from exc
 
 # After the check above: these need redis-py.
-from . import _keys
 from ._connect import Implementation, lean_pool, open_url, refuse_decoding
 
 if TYPE_CHECKING:
     from ._resp import RespPool
-from ._durable import run_then_wait, warn_on_replication
+from ._durable import durable_ms, run_then_wait
 from ._errors import DRIVER_ERRORS, retried
 from ._notices import Notices
-from ._stale import scan_stale
+from ._replies import record
+from ._startup import warn_on_eviction, warn_on_replication
+from ._tools import Tools
 
 logger = logging.getLogger("idem_asgi")
 
@@ -76,21 +67,7 @@ def _utf8(text: str) -> bytes:
     return text.encode("utf-8", "surrogateescape")
 
 
-def _record(reply: list[Any]) -> Record:
-    _, _, state, fingerprint, token, lease_until, expires_at, blob, ttl = reply
-    return Record(
-        COMPLETED if state == b"c" else IN_PROGRESS,
-        fingerprint,
-        int(token),
-        int(lease_until) / 1000,
-        int(expires_at) / 1000,
-        decode_response(blob) if blob else None,
-        holder_failed=state == b"u",
-        ttl=None if ttl is None else int(ttl) / 1000,
-    )
-
-
-class RedisBackend(ClosingMixin):
+class RedisBackend(Tools, ClosingMixin):
     """Idempotency records in Redis (6.2+, Valkey, Redis Cluster) through redis-py's asyncio client.
 
     Args:
@@ -147,18 +124,11 @@ class RedisBackend(ClosingMixin):
         self.prefix = prefix
         self.timeout = timeout
         self._owned = _owned
-        durable_timeout = timeout / 2 if durable_timeout is None else durable_timeout
-        if durable_replicas < 0:
-            raise ConfigurationError(f"durable_replicas must be 0 or more, got {durable_replicas!r}")
-        if durable_replicas and not 0 < durable_timeout < timeout:
-            raise ConfigurationError(
-                f"durable_timeout must be more than 0 and less than timeout ({timeout}s), got {durable_timeout!r}"
-            )
+        self._durable_ms = durable_ms(durable_replicas, durable_timeout, timeout)
         self.durable_replicas = durable_replicas
         self.store_keys = store_keys
         self._raw_recorded = False  # `store_keys=True` recorded under the prefix (once per backend)
         self._sentinel: Any = None  # from_url's Sentinel (redis+sentinel://), closed with the client
-        self._durable_ms = _ms(durable_timeout)
         # The lean connection pool (see _connect.py), where there is one, serves the hot script
         # calls; the redis-py client then only serves the tools (stale, SCAN) and connects when they run.
         self._lean = lean_pool(client, implementation, timeout=timeout) if _lean is None else _lean
@@ -263,12 +233,6 @@ class RedisBackend(ClosingMixin):
     def _key(self, key: RecordKey) -> str:
         return f"{self.prefix}{{{key.digest}}}"
 
-    async def _start(self) -> None:
-        async with self._start_lock:
-            if self._starting:
-                await self.client.initialize()
-                self._starting = False
-
     async def _call(self, script: Any, name: str, *args: Any) -> Any:
         with DRIVER_ERRORS:
             if self._starting:
@@ -285,22 +249,6 @@ class RedisBackend(ClosingMixin):
                 return await script(keys=[name], args=args)
             async with self._slot():
                 return await script(keys=[name], args=args)
-
-    @contextlib.asynccontextmanager
-    async def _slot(self) -> AsyncIterator[None]:
-        """One `max_concurrency` slot, waited for up to `timeout` (nothing to wait for without a limit)."""
-        slots = self._slots
-        if slots is None:
-            yield
-            return
-        try:
-            await asyncio.wait_for(slots.acquire(), self.timeout)
-        except TimeoutError:
-            raise BackendUnavailable(f"redis: no free connection within {self.timeout}s") from None
-        try:
-            yield
-        finally:
-            slots.release()
 
     async def claim(self, key: RecordKey, fingerprint: bytes, *, lease: float, ttl: float) -> ClaimResult:
         if self.store_keys and not self._raw_recorded:
@@ -321,7 +269,7 @@ class RedisBackend(ClosingMixin):
             if acked < self.durable_replicas:
                 await self._withdraw(name, token, ttl, acked)
             return Claimed(token)
-        return Existing(_record(reply), reply[1] / 1000)
+        return Existing(record(reply), reply[1] / 1000)
 
     async def _call_durable(self, script: Any, name: str, *args: Any) -> tuple[Any, int]:
         """`_call`, and how many replicas confirmed the write (`WAIT` behind it, same connection)."""
@@ -380,7 +328,7 @@ class RedisBackend(ClosingMixin):
             return Claimed(token)
         if reply[0] == 2:
             return None  # gone (released, completed and expired, or past its TTL): nothing to take over
-        return Existing(_record(reply), reply[1] / 1000)
+        return Existing(record(reply), reply[1] / 1000)
 
     async def complete(self, key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
         blob = encode_response(response)
@@ -429,91 +377,13 @@ class RedisBackend(ClosingMixin):
         result = await self.claim(probe, b"check", lease=5.0, ttl=5.0)
         if isinstance(result, Claimed):
             await self.release(probe, result.token)
-        await self._warn_on_eviction()
+        await warn_on_eviction(self.client, self._cluster, self.timeout)
         if not self._cluster:
             await warn_on_replication(self.client, self.durable_replicas, self.timeout)
 
-    async def _warn_on_eviction(self) -> None:
-        try:  # INFO, not CONFIG: managed services that refuse CONFIG still answer it
-            every_shard = {"target_nodes": self.client.get_primaries()} if self._cluster else {}
-            info = await asyncio.wait_for(self.client.info("memory", **every_shard), self.timeout)
-        except Exception:  # not allowed or not answered: the claim above already proved the store
-            return
-        nodes = info.values() if self._cluster and isinstance(info, dict) and "maxmemory_policy" not in info else [info]
-        policies = {str(node.get("maxmemory_policy", "")) for node in nodes if isinstance(node, dict)}
-        evicting = sorted(p for p in policies if p and p != "noeviction")
-        if evicting:
-            logger.warning(
-                "idem_asgi: Redis maxmemory-policy is %s: under memory pressure Redis may delete idempotency "
-                "records before their TTL, and a retry of such a key runs again; set maxmemory-policy noeviction "
-                "(a full Redis then refuses new claims: 503)",
-                ", ".join(evicting),
-            )
-
     async def get(self, key: RecordKey) -> Record | None:
         reply = await self._call(self._read, self._key(key))
-        return _record(reply) if reply[0] == 1 else None
-
-    # -- ops tools: stale claims and purge --------------------------------------------------
-
-    @contextlib.asynccontextmanager
-    async def _tool_call(self) -> AsyncIterator[None]:
-        """One `max_concurrency` slot and the same error mapping as `_call`, for multi-command tools."""
-        with DRIVER_ERRORS:
-            if self._starting:
-                await self._start()
-            async with self._slot():
-                yield
-
-    async def stale(
-        self, older_than: float = 0.0, limit: int = 1000, *, namespace: str | None = None, scan_count: int = 500
-    ) -> list[StaleRecord]:
-        """In-progress records whose lease ended more than `older_than` seconds ago (by Redis's clock).
-
-        Walks the keys under `prefix` with `SCAN ... COUNT scan_count TYPE hash` (on every primary
-        of a cluster), and reads each batch with one pipelined round trip (`TIME` and one `HMGET`
-        per key). Never blocks Redis for long, so it is safe while serving; it costs one pass over
-        the keyspace, so run it every few minutes, not per request. Stops once `limit` records are
-        found: those are in scan order, not the oldest of all (sorted by lease end among
-        themselves). Records written before namespace, scope and key were stored are listed with
-        "?" for each (and never match a `namespace` filter).
-        """
-        if limit < 1:
-            return []
-        if scan_count < 1:
-            raise ValueError("scan_count must be at least 1")
-        return await scan_stale(self, older_than, limit, namespace, scan_count)
-
-    async def hash_stored_keys(self, scan_count: int = 500) -> tuple[int, int]:
-        """Blank the raw scope and key (fields `o`, `k`) in records of earlier versions or of
-        `store_keys=True`, walking `prefix*` with `SCAN` (every primary of a cluster) and fixing
-        each batch in one pipelined round trip; `idem-asgi migrate` runs it. Blanks nothing while
-        an app with `store_keys=True` is recorded under this prefix (`raw_keys_recorded`).
-        Returns (rewritten, 0)."""
-        return await _keys.hash_stored_keys(self, scan_count)
-
-    async def record_raw_keys(self) -> None:
-        """Record under `{prefix}store_keys` that an app keeps raw keys (`store_keys=True` does it
-        before its first claim; `idem-asgi migrate --store-keys` too), so `migrate` keeps them."""
-        await _keys.record_raw_keys(self)
-        self._raw_recorded = True
-
-    async def raw_keys_recorded(self) -> float | None:
-        """When an app with `store_keys=True` last recorded that it uses this prefix, or None."""
-        return await _keys.raw_keys_recorded(self)
-
-    async def forget_raw_keys(self) -> None:
-        """Drop that record (`idem-asgi migrate --no-store-keys`, once no such worker runs)."""
-        await _keys.forget_raw_keys(self)
-
-    async def purge(self, batch_size: int = 1000) -> int:
-        """Nothing to do: every record key carries its TTL (`PEXPIRE`), so Redis deletes it itself.
-
-        Returns 0. Kept so that one purge job works with every store.
-        """
-        if batch_size < 1:
-            raise ValueError("batch_size must be at least 1")
-        return 0
+        return record(reply) if reply[0] == 1 else None
 
     # -- claims whose reply was lost -------------------------------------------------------
 
