@@ -5,12 +5,14 @@ the raw-key record serve `idem-asgi migrate`. Never on a request's path but for 
 
 from __future__ import annotations
 
-from typing import Any
+from types import ModuleType
+from typing import Any, ClassVar
 
 import anyio
 import asyncpg
 
 from ...errors import BackendMisconfigured, ConfigurationError
+from .._base import RawKeyRecord
 from . import _keys
 from ._lean import LeanPool
 from ._pool import Runner, keep_session
@@ -18,7 +20,7 @@ from ._pooler import probe, probe_dsn, try_a_transaction
 from ._sql import DDL
 
 
-class Setup:
+class Setup(RawKeyRecord):
     """Set up by `PostgresBackend.__init__` and `from_dsn`; a class of its own to keep this half apart."""
 
     table: str
@@ -33,6 +35,7 @@ class Setup:
     _lock: anyio.Lock
     _runner: Runner
     _raw_recorded: bool
+    _key_forms: ClassVar[ModuleType] = _keys
 
     @property
     def timeout(self) -> float:
@@ -153,17 +156,3 @@ class Setup:
         whose digest row already exists (claimed again by a newer version meanwhile) is left as it
         is, to expire with its TTL."""
         return await _keys.hash_stored_keys(self, batch_size)
-
-    async def record_raw_keys(self) -> None:
-        """Record in the table that an app looks rows up by raw keys (`store_keys=True` does it before
-        its first write; `idem-asgi migrate --store-keys` too), so `migrate` keeps them."""
-        await _keys.record_raw_keys(self)
-        self._raw_recorded = True
-
-    async def raw_keys_recorded(self) -> float | None:
-        """When an app with `store_keys=True` last recorded that it uses this table, or None."""
-        return await _keys.raw_keys_recorded(self)
-
-    async def forget_raw_keys(self) -> None:
-        """Drop that record (`idem-asgi migrate --no-store-keys`, once no such worker runs)."""
-        await _keys.forget_raw_keys(self)

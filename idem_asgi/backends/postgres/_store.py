@@ -17,12 +17,7 @@ from typing import Any, Final, Literal
 import anyio
 import msgspec
 
-from ...errors import (
-    BackendError,
-    ClaimLost,
-    ConfigurationError,
-    missing_extra,
-)
+from ...errors import BackendError, ClaimLost, ConfigurationError, missing_extra
 from ...records import COMPLETED, IN_PROGRESS, Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
 from ...records import StaleRecord as StaleRecord  # re-exported: it was defined here before records.py
 from .._base import ClosingMixin, new_token

@@ -8,16 +8,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Any
+from types import ModuleType
+from typing import Any, ClassVar
 
 from ...errors import BackendUnavailable
 from ...records import StaleRecord
+from .._base import RawKeyRecord
 from . import _keys
 from ._errors import DRIVER_ERRORS
 from ._stale import scan_stale
 
 
-class Tools:
+class Tools(RawKeyRecord):
     """Set up by `RedisBackend.__init__`; a class of its own only to keep the ops half apart."""
 
     client: Any
@@ -25,6 +27,7 @@ class Tools:
     timeout: float
     _cluster: bool
     _raw_recorded: bool
+    _key_forms: ClassVar[ModuleType] = _keys
     _starting: bool
     _start_lock: asyncio.Lock
     _slots: asyncio.Semaphore | None
@@ -88,20 +91,6 @@ class Tools:
         an app with `store_keys=True` is recorded under this prefix (`raw_keys_recorded`).
         Returns (rewritten, 0)."""
         return await _keys.hash_stored_keys(self, scan_count)
-
-    async def record_raw_keys(self) -> None:
-        """Record under `{prefix}store_keys` that an app keeps raw keys (`store_keys=True` does it
-        before its first claim; `idem-asgi migrate --store-keys` too), so `migrate` keeps them."""
-        await _keys.record_raw_keys(self)
-        self._raw_recorded = True
-
-    async def raw_keys_recorded(self) -> float | None:
-        """When an app with `store_keys=True` last recorded that it uses this prefix, or None."""
-        return await _keys.raw_keys_recorded(self)
-
-    async def forget_raw_keys(self) -> None:
-        """Drop that record (`idem-asgi migrate --no-store-keys`, once no such worker runs)."""
-        await _keys.forget_raw_keys(self)
 
     async def purge(self, batch_size: int = 1000) -> int:
         """Nothing to do: every record key carries its TTL (`PEXPIRE`), so Redis deletes it itself.
