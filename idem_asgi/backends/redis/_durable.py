@@ -28,10 +28,10 @@ def _source(script: Any) -> tuple[str, bytes | str]:
 
 
 async def run_then_wait(
-    client: Any, lean: Any, script: Any, name: str, args: tuple[Any, ...], replicas: int, timeout_ms: int
+    client: Any, lean: Any, script: Any, name: str, args: tuple[Any, ...], wait: tuple[str, int, int]
 ) -> tuple[Any, int]:
     """The script's reply and the number of replicas that confirmed it (and every earlier write
-    on that connection) within `timeout_ms`. Raises what the script raised."""
+    on that connection): `wait` is `("WAIT", replicas, timeout_ms)`. Raises what the script raised."""
     for attempt in (1, 2):
         sha, source = _source(script)
         # The first call of a script sends its source (EVAL caches it on the server): a NOSCRIPT
@@ -40,7 +40,6 @@ async def run_then_wait(
             evalsha: tuple[Any, ...] = ("EVALSHA", sha, 1, name, *args)
         else:
             evalsha = ("EVAL", source, 1, name, *args)
-        wait = ("WAIT", replicas, timeout_ms)
         if lean is not None:
             reply, acked = await lean.execute_many(evalsha, wait)
         elif hasattr(client, "nodes_manager"):

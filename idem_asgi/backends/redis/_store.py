@@ -194,15 +194,10 @@ class RedisBackend(Tools, ClosingMixin):
                 has it, so a failover cannot hand it to a retry); opt out with `durable_replicas=0`
                 or `?durable_replicas=0` on the URL.
 
-        The URL is parsed by redis-py alone (its rules for the db in the path or in `?db=`, for
-        credentials and query options). For a `redis://` or `unix://` URL without cluster, the
-        script calls go (`implementation="auto"` or `"lean"`) through a lean connection pool
-        (`_resp.RespPool`, hiredis; same server, db, credentials, size, timeouts and one-retry
-        rule) that costs a fraction of redis-py's CPU per call, and the redis-py client serves only
-        the ops tools; a URL or option asking for what the lean pool does not do (TLS, RESP3,
-        `client_name`, `retry_on_timeout`, `health_check_interval`, ...) leaves every call to
-        redis-py (`"auto"`) or is refused (`"lean"`). An option redis-py's connections do not take
-        (a typo) raises `ConfigurationError` here, not at the first request.
+        The URL is parsed by redis-py alone (its rules for the db, credentials and query options).
+        The script calls of a `redis://` or `unix://` URL without cluster go through the lean pool
+        where `implementation` allows (docs/redis.md, "The lean path"). An option redis-py's
+        connections do not take (a typo) raises `ConfigurationError` here, not at the first request.
         """
         opened = open_url(
             url,
@@ -277,17 +272,14 @@ class RedisBackend(Tools, ClosingMixin):
             if self._starting:
                 await self._start()
             async with self._slot():
+                wait = ("WAIT", self.durable_replicas, self._durable_ms)
                 try:
-                    return await run_then_wait(
-                        self.client, self._lean, script, name, args, self.durable_replicas, self._durable_ms
-                    )
+                    return await run_then_wait(self.client, self._lean, script, name, args, wait)
                 except redis_errors.ConnectionError as exc:
                     if self._lean is None or not retried(exc):
                         raise
                     # Once, at once, on a fresh connection, as `_call` does (redis-py retries itself).
-                    return await run_then_wait(
-                        self.client, self._lean, script, name, args, self.durable_replicas, self._durable_ms
-                    )
+                    return await run_then_wait(self.client, self._lean, script, name, args, wait)
 
     async def _withdraw(self, name: str, token: int, ttl: float, acked: int) -> None:
         """A claim the replicas did not confirm: take it back (or leave it to the orphan sweep),
