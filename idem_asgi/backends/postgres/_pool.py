@@ -23,7 +23,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise missing_extra("PostgresBackend needs asyncpg", "postgres") from exc
 
 # after the check above: these need asyncpg
-from ._errors import TIMEOUT, DriverErrors
+from ._errors import CAUGHT, TIMEOUT, DriverErrors, wrapped
 from ._lean import LeanPool, broken_by
 
 
@@ -44,10 +44,12 @@ class Runner:
         # One deadline for the whole call: waiting for a pooled connection, then the statement.
         if deadline is None:
             deadline = monotonic() + self.timeout
-        with self.errors:
+        try:
             if type(pool) is LeanPool:
                 return await self._run_lean(pool, method, sql, args, deadline)
             return await self._run_pooled(pool, method, sql, args, deadline)
+        except CAUGHT as exc:  # `self.errors` inline: a `with` costs 0.3 us on every statement
+            raise wrapped(exc, self.errors.table) from exc
 
     async def _run_pooled(self, pool: Any, method: str, sql: str, args: tuple[Any, ...], deadline: float) -> Any:
         """`run` on asyncpg's pool, behind a first-come-first-served turn (see `Turns`).

@@ -1,7 +1,9 @@
 """What a redis-py error means for a request: the store is misconfigured (500, and a failed
 start-up), unavailable (503: the command may or may not have run), or failed otherwise.
 
-The one place a Redis driver error becomes the library's: every call runs inside `DRIVER_ERRORS`.
+The one place a Redis driver error becomes the library's: every call runs inside `DRIVER_ERRORS`,
+or, on the script-call path itself (`RedisBackend._call`), catches `CAUGHT` and raises `wrapped(exc)`:
+the same mapping without the 0.3 us a `with` costs.
 """
 
 from __future__ import annotations
