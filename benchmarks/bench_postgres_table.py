@@ -32,7 +32,8 @@ from typing import Any
 
 import asyncpg
 
-from idem_asgi.backends.postgres import PostgresBackend, _headers_encode
+from idem_asgi.backends.postgres import PostgresBackend
+from idem_asgi.backends.postgres._store import _headers_encode
 from idem_asgi.records import Claimed, Existing, RecordKey, StoredResponse
 from tests.support.servers import POSTGRES_DSN
 

@@ -30,7 +30,7 @@ Call = Callable[[], Awaitable[Any]]
 
 
 async def resp_pool(url: str) -> tuple[Call, Callable[[], Awaitable[None]]]:
-    from idem_asgi.backends._resp import RespPool
+    from idem_asgi.backends.redis._resp import RespPool
 
     pool = RespPool.from_url(url, timeout=2.0, max_connections=64)
     if pool is None:

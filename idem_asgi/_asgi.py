@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Final
 
 from ._types import ASGIApp, Message, Receive, Scope, Send
-from .context import STATE_KEY, IdempotencyInfo, serving
+from .context import STATE_KEY, IdempotencyInfo, enter, leave
 
 HIDDEN_EXTENSIONS: Final = ("http.response.pathsend", "http.response.zerocopysend")
 """Extensions that would let a body bypass `send` (and so the recording): hidden on protected requests."""
@@ -79,32 +79,6 @@ def replaying(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-def holding_disconnect(body: bytes, receive: Receive, finished: Callable[[], Awaitable[None]]) -> Receive:
-    """Like `replaying`, but an `http.disconnect` reaches the app only once `finished()` returns.
-
-    The contract says a client that hangs up does not stop the operation: the app finishes and
-    its answer is stored. Apps that stop at a disconnect (Starlette's `StreamingResponse` under
-    ASGI < 2.4 cancels its stream) would otherwise return with half an answer.
-    """
-    sent = False
-    gone = False
-
-    async def replay() -> Message:
-        nonlocal sent, gone
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        if not gone:
-            message = await receive()
-            if message["type"] != "http.disconnect":
-                return message
-            gone = True
-        await finished()
-        return {"type": "http.disconnect"}
-
-    return replay
-
-
 async def run_unclaimed(app: ASGIApp, scope: Scope, receive: Receive, send: Send, key: str, owner: str | None) -> None:
     """Run the app with nothing claimed, but hand it the key and scope as usual (fail-open, disabled)."""
     info = IdempotencyInfo(key, owner)
@@ -112,5 +86,8 @@ async def run_unclaimed(app: ASGIApp, scope: Scope, receive: Receive, send: Send
     if state is None:
         state = scope["state"] = {}
     state[STATE_KEY] = info
-    with serving(info):
+    entered = enter(info)
+    try:
         await app(scope, receive, send)
+    finally:
+        leave(entered)

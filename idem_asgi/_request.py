@@ -301,11 +301,11 @@ class Protected:
 
     async def _watch(self, token: int) -> bool | None:
         """Ask the store to tell this process when the claim ends (None: it cannot, so poll)."""
-        watch = getattr(self.mw.backend, "watch", None)
-        if watch is None:
+        watcher, rkey = self.mw.watcher, self.rkey  # the store's ability, asked once at construction
+        if watcher is None or rkey is None:
             return None
         try:
-            told: bool | None = await watch(self.rkey, token, self.mw.waiters.changed)
+            told: bool | None = await watcher.watch(rkey, token, self.mw.waiters.changed)
         except Exception as exc:
             self._store_failed("watch failed while waiting", exc)
             return None

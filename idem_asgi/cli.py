@@ -42,8 +42,7 @@ from ._cli_output import (
     stale_doc,
     text,
 )
-from .backends import backend_class
-from .backends._protocol import Backend
+from .backends import Backend, KeyForms, Maintenance, backend_class
 from .errors import BackendError, BackendMisconfigured, BackendUnavailable, ConfigurationError, InvalidScope
 from .keys import ANONYMOUS_SCOPE, stored_scope
 from .reconcile import ReconcilableBackend, reconcile
@@ -249,9 +248,9 @@ async def _open(args: argparse.Namespace) -> AsyncIterator[Any]:
 
 
 def _maintained(backend: Backend) -> ReconcilableBackend:
-    if not callable(getattr(backend, "stale", None)) or not callable(getattr(backend, "purge", None)):
+    if not isinstance(backend, Maintenance):
         raise ConfigurationError(f"{type(backend).__name__} has no stale()/purge()")
-    return backend  # type: ignore[return-value]
+    return backend
 
 
 # --- output ----------------------------------------------------------------------------------
@@ -448,10 +447,12 @@ async def _migrate(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _key_form(args: argparse.Namespace, store: Any, what: str) -> tuple[dict[str, Any], list[str]]:
+async def _key_form(args: argparse.Namespace, store: Backend, what: str) -> tuple[dict[str, Any], list[str]]:
     """Raw keys: kept while the store records an app with `store_keys=True` (or `--store-keys` says
     so, and is recorded); else rewritten to their digest (`--no-store-keys` first drops the record).
     So `migrate` at every deploy never changes how a live app finds its records."""
+    if not isinstance(store, KeyForms):
+        raise ConfigurationError(f"{type(store).__name__} cannot rewrite the keys it holds")
     if args.store_keys is False:
         await store.forget_raw_keys()
     elif args.store_keys:

@@ -93,23 +93,14 @@ def current_idempotency() -> IdempotencyInfo | None:
 
 
 def enter(info: IdempotencyInfo) -> Token[IdempotencyInfo | None]:
-    """Make `info` what `current_idempotency()` returns, until `leave(token)` (the middleware's hot path)."""
+    """Make `info` what `current_idempotency()` returns, until `leave(token)` (no context manager: the
+    middleware's hot path)."""
     return _current.set(info)
 
 
 def leave(token: Token[IdempotencyInfo | None]) -> None:
     """Undo `enter`."""
     _current.reset(token)
-
-
-@contextmanager
-def serving(info: IdempotencyInfo) -> Iterator[IdempotencyInfo]:
-    """Make `info` what `current_idempotency()` returns for this block (the middleware, while the app runs)."""
-    reset = _current.set(info)
-    try:
-        yield info
-    finally:
-        _current.reset(reset)
 
 
 class HeldClaim:
@@ -147,8 +138,9 @@ def held_claim(backend: Backend, rkey: RecordKey, token: int) -> Iterator[HeldCl
     a handler behind the middleware; after it, they act for none.
     """
     claim = HeldClaim(backend, rkey, token)
+    entered = enter(IdempotencyInfo(rkey.key, rkey.scope or None, claim))
     try:
-        with serving(IdempotencyInfo(rkey.key, rkey.scope or None, claim)):
-            yield claim
+        yield claim
     finally:
+        leave(entered)
         claim.active = False

@@ -15,6 +15,11 @@ The tree::
         ├── ClaimLost                   a write needing the request's claim found it no longer held
         └── BackendUnavailable          the store could not be reached or did not answer in time (503)
             └── StoreFull               the store has no room for another record (503, or 429 for one scope)
+    JobError                            a repeated `@idempotent` job or `claim()` that does not run
+    ├── InProgress                      the first call with the key still runs
+    ├── KeyReused                       the key was used with other arguments
+    ├── OutcomeUnknown                  a call started and stopped without an outcome: reconcile it
+    └── ResultNotStorable               the work ran, its result cannot be stored (kept outcome-unknown)
 
 HTTP clients see RFC 9457 problems instead (`idem_asgi.problems`).
 """
@@ -110,3 +115,24 @@ class StoreFull(BackendUnavailable):
     def __init__(self, message: str, *, scope_quota: bool = False) -> None:
         super().__init__(message)
         self.scope_quota = scope_quota
+
+
+class JobError(IdemError):
+    """Base of the errors a repeated job can raise instead of running."""
+
+
+class InProgress(JobError):
+    """The first call with this key is still running (after waiting `wait` seconds)."""
+
+
+class KeyReused(JobError):
+    """The key was used before with other arguments."""
+
+
+class OutcomeUnknown(JobError):
+    """A call with this key started and its holder stopped without an outcome: reconcile it."""
+
+
+class ResultNotStorable(JobError):
+    """The work ran but its result cannot be stored (msgspec cannot encode it, or it does not match
+    the return annotation): the claim is kept as outcome unknown, never released for a second run."""

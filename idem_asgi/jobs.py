@@ -34,7 +34,12 @@ from ._job_args import args_key
 from ._job_checks import checked_function, checked_returns, default_namespace
 from ._late_writes import LateWrites
 from .backends import Backend
-from .errors import ConfigurationError, IdemError
+from .errors import ConfigurationError
+from .errors import InProgress as InProgress  # re-exported: public imports from idem_asgi.jobs keep working
+from .errors import JobError as JobError
+from .errors import KeyReused as KeyReused
+from .errors import OutcomeUnknown as OutcomeUnknown
+from .errors import ResultNotStorable as ResultNotStorable
 from .observe import Event, EventName, Observer
 from .records import Claimed, Existing, RecordKey, StoredResponse
 
@@ -45,27 +50,6 @@ _encode = msgspec.msgpack.Encoder().encode
 logger = logging.getLogger("idem_asgi")
 _late: weakref.WeakKeyDictionary[Backend, LateWrites] = weakref.WeakKeyDictionary()
 """Per store, the job results whose completion write failed, written again in the background."""
-
-
-class JobError(IdemError):
-    """Base of the errors a repeated job can raise instead of running."""
-
-
-class InProgress(JobError):
-    """The first call with this key is still running (after waiting `wait` seconds)."""
-
-
-class KeyReused(JobError):
-    """The key was used before with other arguments."""
-
-
-class OutcomeUnknown(JobError):
-    """A call with this key started and its holder stopped without an outcome: reconcile it."""
-
-
-class ResultNotStorable(JobError):
-    """The work ran but its result cannot be stored (msgspec cannot encode it, or it does not match
-    the return annotation): the claim is kept as outcome unknown, never released for a second run."""
 
 
 class JobClaim(context.HeldClaim):

@@ -20,7 +20,7 @@ from ._logging import once
 from ._request import Protected
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from ._waiting import Waiters
-from .backends import Backend
+from .backends import Backend, Checkable, Watchable
 from .errors import BackendMisconfigured, ConfigurationError
 from .keys import ScopeFunc
 from .observe import Event, EventName, Observer
@@ -92,7 +92,7 @@ class IdempotencyMiddleware:
         self._pages = problems.served(self.problem_base)
         self._observer = observer
         self.observed = observer is not None  # checked before building an event on the hot path
-        self.backend: Backend = _shared.backend_for(backend, routes)
+        self._serve_from(_shared.backend_for(backend, routes))
         if on_store_error not in ("fail_closed", "fail_open"):
             raise ConfigurationError(f"on_store_error must be 'fail_closed' or 'fail_open', got {on_store_error!r}")
         self.fail_open = on_store_error == "fail_open"
@@ -158,8 +158,14 @@ class IdempotencyMiddleware:
         Every part of the middleware (claims, lease renewal, answers written later) reads the store
         at each call, so the swap reaches all of them at once.
         """
-        previous, self.backend = self.backend, backend
+        previous = self.backend
+        self._serve_from(backend)
         return previous
+
+    def _serve_from(self, backend: Backend) -> None:
+        self.backend: Backend = backend
+        # What the store can do beyond `Backend`, asked once here, never per request.
+        self.watcher: Watchable | None = backend if isinstance(backend, Watchable) else None
 
     def use_app(self, app: ASGIApp) -> ASGIApp:
         """Protect `app` from now on and return the app protected before (test tools wrap it)."""
@@ -234,11 +240,10 @@ async def check_store(backend: Backend) -> str | None:
     request until it is back), or the message of a configuration it can never work with, which
     is also logged as an error.
     """
-    check = getattr(backend, "check", None)
-    if check is None:
+    if not isinstance(backend, Checkable):
         return None
     try:
-        await check()
+        await backend.check()
     except (BackendMisconfigured, ConfigurationError) as exc:
         message = f"idem_asgi: the idempotency store refuses this app: {exc}"
         logger.error(message)

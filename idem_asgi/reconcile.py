@@ -34,7 +34,7 @@ import anyio
 import msgspec
 
 from ._logging import redact
-from .backends._protocol import Backend, Maintenance
+from .backends import Backend, Maintenance
 from .errors import ConfigurationError
 from .records import IN_PROGRESS, Claimed, Record, RecordKey, StaleRecord, StoredResponse
 from .transform import AnswerTransform, seal
@@ -179,7 +179,7 @@ async def reconcile(
     """
     if concurrency < 1:
         raise ConfigurationError(f"concurrency must be at least 1, got {concurrency!r}")
-    if not callable(getattr(backend, "stale", None)):
+    if not isinstance(backend, Maintenance):
         raise ConfigurationError(f"{type(backend).__name__} has no stale(): it cannot list stuck claims")
     stale = await backend.stale(older_than, limit, namespace=namespace)
     report = ReconcileReport(examined=len(stale), dry_run=dry_run)

@@ -15,8 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from idem_asgi._decide import Action, decide
-from idem_asgi.backends import Backend
-from idem_asgi.backends._protocol import Maintenance
+from idem_asgi.backends import Backend, Maintenance
 from idem_asgi.backends.postgres import PostgresBackend
 from idem_asgi.backends.redis import RedisBackend
 from idem_asgi.records import COMPLETED, IN_PROGRESS, Claimed, Existing, RecordKey, StaleRecord, StoredResponse

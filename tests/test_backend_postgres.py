@@ -664,7 +664,7 @@ async def test_a_pool_that_is_not_read_committed_claims_once_without_serializati
 
 
 async def test_turns_go_to_the_longest_waiter_and_skip_the_ones_that_gave_up() -> None:
-    from idem_asgi.backends._postgres_pool import Turns as _Turns
+    from idem_asgi.backends.postgres._pool import Turns as _Turns
 
     turns = _Turns(1)
     await turns.take(1.0)  # the only turn

@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 
 from idem_asgi import IdempotencyMiddleware, RoutePolicy, backend_from_url
 from idem_asgi.backends.redis import RedisBackend
+from idem_asgi.backends.redis._connect import Implementation
 from idem_asgi.errors import BackendUnavailable, ConfigurationError
 from idem_asgi.records import Claimed, Existing, RecordKey, StoredResponse, encode_response
 from tests.support.pay import Answer, Payments, post
@@ -371,3 +372,30 @@ async def test_unanswered_claim_that_lands_late_is_removed(throwaway: RedisProce
             assert isinstance(await backend.claim(rk("late"), b"fp", lease=30, ttl=60), Claimed)
         finally:
             await probe.aclose()
+
+
+async def test_the_client_serving_script_calls_is_the_one_implementation_names(prefix: str) -> None:
+    """`implementation=`: "auto" takes the lean pool where it can, "redis-py" never builds it,
+    "lean" refuses a client it cannot serve instead of falling back to redis-py."""
+    require("redis", REDIS_URL)
+    key = RecordKey.build("impl", None, uuid.uuid4().hex)
+    choices: list[tuple[Implementation, bool]] = [("auto", True), ("lean", True), ("redis-py", False)]
+    for implementation, lean in choices:
+        async with RedisBackend.from_url(REDIS_URL, prefix=prefix, implementation=implementation) as backend:
+            assert (backend._lean is not None) is lean
+            claimed = await backend.claim(key, b"f", lease=5, ttl=5)
+            assert isinstance(claimed, Claimed) and await backend.release(key, claimed.token)
+    async with RedisBackend.from_url(REDIS_URL, prefix=prefix, client_name="ops") as backend:
+        assert backend._lean is None  # "auto": the lean pool sends no CLIENT SETNAME, so redis-py serves
+    with pytest.raises(ConfigurationError, match="implementation='lean' needs hiredis and a plain"):
+        RedisBackend.from_url(REDIS_URL, prefix=prefix, implementation="lean", client_name="ops")
+    with pytest.raises(ConfigurationError, match="implementation must be one of auto, lean, redis-py"):
+        RedisBackend.from_url(REDIS_URL, implementation="hiredis")  # type: ignore[arg-type]
+    client = aioredis.Redis.from_url(REDIS_URL, decode_responses=False)
+    try:
+        async with RedisBackend(client, implementation="redis-py") as backend:
+            assert backend._lean is None
+        async with RedisBackend(client) as backend:
+            assert backend._lean is not None
+    finally:
+        await client.aclose()

@@ -319,11 +319,13 @@ async def test_migrate_print_needs_no_connection(capsys: pytest.CaptureFixture[s
     [
         (
             ["--backend", "mysql://db/x", "stale"],
-            "unknown backend URL scheme 'mysql'; use memory://, redis://, rediss://, redis+sentinel://, unix:// or postgresql://",
+            "unknown backend URL scheme 'mysql'; use one of "
+            "memory://, redis://, rediss://, redis+sentinel://, unix://, postgres://, postgresql://",
         ),
         (
             ["--backend", "localhost:6379", "purge"],
-            "unknown backend URL scheme none; use memory://, redis://, rediss://, redis+sentinel://, unix:// or postgresql://",
+            "unknown backend URL scheme none; use one of "
+            "memory://, redis://, rediss://, redis+sentinel://, unix://, postgres://, postgresql://",
         ),
         (
             ["--backend", "memory://", "reconcile", "--hook", "no_such_module_xyz:resolve"],

@@ -34,9 +34,9 @@ from typing import Any
 
 import pytest
 
-from idem_asgi.backends._redis_scripts import CLAIM, COMPLETE
 from idem_asgi.backends.postgres import PostgresBackend
 from idem_asgi.backends.redis import RedisBackend
+from idem_asgi.backends.redis._scripts import CLAIM, COMPLETE
 from idem_asgi.records import RecordKey
 from tests.crash_app import build
 from tests.support.faultproxy import StoreProxy, evalsha_of, pg_execute

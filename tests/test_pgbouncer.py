@@ -3,7 +3,7 @@
 PgBouncer refuses the startup parameter `default_transaction_isolation` ("unsupported startup
 parameter") and hands each transaction whichever server connection is free, so asyncpg's named
 prepared statements go missing ("prepared statement ... does not exist"). `from_dsn` sends no
-startup parameter and, seeing a pooler (`_postgres_pooler.py`), makes no named statements.
+startup parameter and, seeing a pooler (`backends/postgres/_pooler.py`), makes no named statements.
 
 Here: the start-up check, concurrent requests through the middleware (one execution, identical
 replays), a uvicorn storm, `transaction()` and its recover hook, all through a
@@ -195,10 +195,12 @@ async def test_a_startup_parameter_the_pooler_refuses_fails_at_start_up_naming_t
 
 
 async def test_asyncpg_s_own_pool_gets_the_same_treatment_through_a_pooler(bouncer: str) -> None:
-    """Given an option only asyncpg's pool has, `from_dsn` builds that pool: it too makes no named
+    """With `implementation="asyncpg"`, `from_dsn` builds asyncpg's pool: it too makes no named
     prepared statements behind a pooler (before: "prepared statement ... does not exist" once the
     statements were reused on other server connections)."""
-    backend = PostgresBackend.from_dsn(bouncer, table=TEST_TABLE, max_size=10, max_inactive_connection_lifetime=60)
+    backend = PostgresBackend.from_dsn(
+        bouncer, table=TEST_TABLE, max_size=10, implementation="asyncpg", max_inactive_connection_lifetime=60
+    )
     try:
         await backend.check()
         namespace = f"pgb-{uuid.uuid4().hex}"

@@ -7,14 +7,15 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import asyncpg
 import pytest
 
-from idem_asgi.backends._postgres_lean import LeanPool, broken_by
-from idem_asgi.backends._postgres_pool import wrapped
 from idem_asgi.backends.postgres import PostgresBackend
-from idem_asgi.errors import BackendUnavailable
+from idem_asgi.backends.postgres._errors import wrapped
+from idem_asgi.backends.postgres._lean import LeanPool, broken_by
+from idem_asgi.errors import BackendUnavailable, ConfigurationError
 from idem_asgi.records import Claimed, Existing, RecordKey
 from tests.support.servers import POSTGRES_DSN, require
 
@@ -178,15 +179,27 @@ async def test_a_statement_that_times_out_is_cancelled_on_the_server_and_its_con
         await admin.close()
 
 
-async def test_options_only_asyncpgs_pool_has_select_it(app_name: str) -> None:
+async def test_the_pool_is_the_one_implementation_names(app_name: str) -> None:
+    """`implementation=` picks the pool (lean by default); an option of asyncpg's pool is refused
+    on the lean one, not taken as a hint to switch pools (it used to switch silently)."""
     inits: list[int] = []
 
     async def init(conn: asyncpg.Connection) -> None:
         inits.append(conn.get_server_pid())
 
+    with pytest.raises(ConfigurationError, match="init: an option of asyncpg's pool; pass implementation='asyncpg'"):
+        PostgresBackend.from_dsn(POSTGRES_DSN, init=init)
+    with pytest.raises(ConfigurationError, match="implementation must be 'lean' or 'asyncpg'"):
+        PostgresBackend.from_dsn(POSTGRES_DSN, implementation="psycopg")  # type: ignore[arg-type]
     table = f"idem_lean_{uuid.uuid4().hex[:12]}"
     chosen = []
-    for options in ({}, {"init": init}, {"max_inactive_connection_lifetime": 60.0}):
+    choices: list[dict[str, Any]] = [
+        {},
+        {"implementation": "asyncpg"},
+        {"implementation": "asyncpg", "init": init},
+        {"implementation": "asyncpg", "max_inactive_connection_lifetime": 60.0},
+    ]
+    for options in choices:
         backend = PostgresBackend.from_dsn(POSTGRES_DSN, table=table, min_size=1, max_size=2, **options)
         try:
             await backend.setup()
@@ -201,7 +214,7 @@ async def test_options_only_asyncpgs_pool_has_select_it(app_name: str) -> None:
         await admin.execute(f'DROP TABLE IF EXISTS "{table}"')
     finally:
         await admin.close()
-    assert chosen == ["LeanPool", "Pool", "Pool"]
+    assert chosen == ["LeanPool", "Pool", "Pool", "Pool"]
     assert inits, "asyncpg's pool ran the init hook"
 
 

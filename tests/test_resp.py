@@ -1,4 +1,4 @@
-"""The lean pipelined RESP connection (idem_asgi.backends._resp) against real Redis servers.
+"""The lean pipelined RESP connection (idem_asgi.backends.redis._resp) against real Redis servers.
 
 Ordering uses the shared Redis (unique key prefix); anything that flushes scripts, stops, kills
 or configures a server runs on a throwaway `redis-server` (the `throwaway` fixture, or
@@ -19,8 +19,8 @@ import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
 from redis.credentials import UsernamePasswordCredentialProvider
 
-from idem_asgi.backends._resp import RespPool, _pack
 from idem_asgi.backends.redis import RedisBackend
+from idem_asgi.backends.redis._resp import RespPool, _pack
 from idem_asgi.records import Claimed, Existing, RecordKey
 from tests.support.servers import REDIS_URL, RedisProcess, redis_process, require, wait_until
 
@@ -391,3 +391,30 @@ async def test_a_cancelled_request_waiting_for_its_claim_s_reply_never_runs_fail
         await wait_until(lambda: backend.pending_orphans == 0, 10)
         retry = await post(mw, "cancelled-while-waiting")  # nothing ran, nothing is held: the retry runs it
         assert retry.status == 201 and app.runs["cancelled-while-waiting"] == 1
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "NOSCRIPT No matching script. Please use EVAL.",
+        "ERR max number of clients reached",
+        "ERR invalid password",
+        "ERR unknown command 'EVALSHA', with args beginning with: ",
+        "WRONGPASS invalid username-password pair or user is disabled.",
+        "NOAUTH Authentication required.",
+        "NOPERM this user has no permissions to run the 'evalsha' command",
+        "READONLY You can't write against a read only replica.",
+        "LOADING Redis is loading the dataset in memory",
+        "OOM command not allowed when used memory > 'maxmemory'.",
+        "BUSY Redis is busy running a script.",
+    ],
+)
+def test_an_error_reply_becomes_the_exception_redis_py_raises(reply: str) -> None:
+    """The lean pool's own table (no import of redis-py's private parser) agrees with redis-py's."""
+    import hiredis
+    from redis._parsers.base import BaseParser  # the test may look: it tells when redis-py changes
+
+    from idem_asgi.backends.redis._replies import error
+
+    ours, theirs = error(hiredis.ReplyError(reply)), BaseParser.parse_error(reply)  # type: ignore[no-untyped-call]
+    assert (type(ours), str(ours)) == (type(theirs), str(theirs))

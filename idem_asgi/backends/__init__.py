@@ -1,9 +1,9 @@
 """Stores for idempotency records, and `backend_from_url` to pick one by URL.
 
 `RedisBackend` and `PostgresBackend` import their drivers only when used, so the extras
-(`idem-asgi[redis]`, `idem-asgi[postgres]`) stay optional. Every store class names its URL schemes
-(`SCHEMES`) and builds itself from a URL (`from_url`); `SCHEMES` below is the one table from scheme
-to class that `backend_from_url`, the middleware's `backend="..."` and the `idem-asgi` CLI all use.
+(`idem-asgi[redis]`, `idem-asgi[postgres]`) stay optional. Every store class builds itself from a
+URL (`from_url`); `SCHEMES` below is the one table from URL scheme to class that `backend_from_url`,
+the middleware's `backend="..."` and the `idem-asgi` CLI all use.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any, Final
 
 from ..errors import ConfigurationError
-from ._protocol import Backend, Checkable, Maintenance
+from ._protocol import Backend, Checkable, KeyForms, Maintenance, Watchable
 from .memory import MemoryBackend
 
 if TYPE_CHECKING:
@@ -23,10 +23,12 @@ __all__ = [
     "SCHEMES",
     "Backend",
     "Checkable",
+    "KeyForms",
     "Maintenance",
     "MemoryBackend",
     "PostgresBackend",
     "RedisBackend",
+    "Watchable",
     "backend_class",
     "backend_from_url",
 ]
@@ -40,7 +42,7 @@ SCHEMES: Final[dict[str, tuple[str, str]]] = {
     "postgres": ("postgres", "PostgresBackend"),
     "postgresql": ("postgres", "PostgresBackend"),
 }
-"""URL scheme -> (module in this package, class). Each class lists the same schemes in its `SCHEMES`."""
+"""URL scheme -> (module in this package, class): the only list of schemes."""
 
 
 def __getattr__(name: str) -> Any:
@@ -56,15 +58,14 @@ def backend_class(url: str) -> Any:
     found = SCHEMES.get(scheme.lower()) if sep else None
     if found is None:
         shown = repr(scheme.lower()) if sep and scheme else "none"
-        raise ConfigurationError(
-            f"unknown backend URL scheme {shown}; use memory://, redis://, rediss://, redis+sentinel://, unix:// or postgresql://"
-        )
+        known = ", ".join(f"{s}://" for s in SCHEMES)
+        raise ConfigurationError(f"unknown backend URL scheme {shown}; use one of {known}")
     module, name = found
     return getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
 
 def backend_from_url(url: str, **options: Any) -> Backend:
-    """Build a store from `memory://`, `redis://`, `rediss://`, `redis+sentinel://`, `unix://` or `postgresql://` URLs.
+    """Build a store from a URL whose scheme is in `SCHEMES` (`memory://`, `redis://`, `postgresql://`, ...).
 
     `options` go to the class's `from_url` (`RedisBackend.from_url`, `PostgresBackend.from_dsn`,
     `MemoryBackend(...)`).

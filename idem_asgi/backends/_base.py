@@ -1,10 +1,11 @@
-"""What every built-in store shares: fencing-token minting and the async context-manager methods."""
+"""What every built-in store shares: fencing-token minting, the async context-manager methods, and
+the raw-key record `idem-asgi migrate` follows (`KeyForms`)."""
 
 from __future__ import annotations
 
 import secrets
-from types import TracebackType
-from typing import Any, TypeVar
+from types import ModuleType, TracebackType
+from typing import Any, ClassVar, TypeVar
 
 Self = TypeVar("Self", bound="ClosingMixin")
 
@@ -34,3 +35,25 @@ class ClosingMixin:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> Any:
         await self.aclose()
+
+
+class RawKeyRecord:
+    """`KeyForms`' record of an app keeping raw keys, through the store's own `_keys` module."""
+
+    _key_forms: ClassVar[ModuleType]
+    _raw_recorded: bool
+
+    async def record_raw_keys(self) -> None:
+        """Record in the store that an app keeps raw keys (`store_keys=True` does it before its first
+        write; `idem-asgi migrate --store-keys` too), so `migrate` keeps them."""
+        await self._key_forms.record_raw_keys(self)
+        self._raw_recorded = True
+
+    async def raw_keys_recorded(self) -> float | None:
+        """When an app with `store_keys=True` last recorded that it uses this store, or None."""
+        recorded: float | None = await self._key_forms.raw_keys_recorded(self)
+        return recorded
+
+    async def forget_raw_keys(self) -> None:
+        """Drop that record (`idem-asgi migrate --no-store-keys`, once no such worker runs)."""
+        await self._key_forms.forget_raw_keys(self)

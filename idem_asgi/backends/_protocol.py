@@ -4,13 +4,19 @@ Costs: `claim` is one round trip (claim-or-read), `complete`/`release`/`extend`/
 Every write after the claim is fenced by the claim's token: a holder whose token is stale
 (its lease was taken over) gets False and changes nothing.
 
-`Maintenance` is the optional second half, for the ops tools (`idem_asgi.reconcile`, the
-`idem-asgi` CLI): listing stale claims and purging expired records. It is a separate protocol,
-so a store without it still works behind the middleware.
+The optional abilities are protocols of their own, so a store without them still works behind
+the middleware; the code asks `isinstance(store, Ability)` once, where it is set up (the
+middleware, `reconcile`, the CLI), never at each call:
+
+- `Checkable`: `check()`, run at lifespan start-up.
+- `Watchable`: `watch()`, so a held repeat in another process is told when a claim ends (Redis).
+- `Maintenance`: `stale()` and `purge()`, for the ops tools (`idem_asgi.reconcile`, `idem-asgi`).
+- `KeyForms`: raw keys recorded, kept or rewritten to digests (`idem-asgi migrate`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from ..records import ClaimResult, Record, RecordKey, StaleRecord, StoredResponse
@@ -94,4 +100,36 @@ class Maintenance(Protocol):
 
         A store that expires records by itself (Redis) may return 0.
         """
+        ...
+
+
+@runtime_checkable
+class Watchable(Protocol):
+    """A store that tells other processes when a claim ends, so held repeats need not poll."""
+
+    async def watch(self, key: RecordKey, token: int, on_change: Callable[[str | None], None]) -> bool | None:
+        """Ask to be told (`on_change(digest)`) when claim `token` on `key` ends (`on_change(None)`:
+        notices were interrupted). True: still held, its end will be told; False: it changed
+        already; None: no notices now (poll)."""
+        ...
+
+
+@runtime_checkable
+class KeyForms(Protocol):
+    """How a store keeps keys at rest, for `idem-asgi migrate` (raw keys kept or rewritten to digests)."""
+
+    async def hash_stored_keys(self) -> tuple[int, int]:
+        """Rewrite raw keys to their digest: (rewritten, left because a newer record exists)."""
+        ...
+
+    async def record_raw_keys(self) -> None:
+        """Record that an app keeps raw keys (`store_keys=True`), so `migrate` leaves them."""
+        ...
+
+    async def raw_keys_recorded(self) -> float | None:
+        """When an app keeping raw keys was recorded, or None."""
+        ...
+
+    async def forget_raw_keys(self) -> None:
+        """Drop that record (`migrate --no-store-keys`)."""
         ...

@@ -18,7 +18,7 @@ import heapq
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import msgspec
 
@@ -60,8 +60,6 @@ class MemoryBackend(ClosingMixin):
             unscoped key space of single-tenant routes is exempt).
         clock: Seconds since the epoch (tests pass a fake one).
     """
-
-    SCHEMES: ClassVar[tuple[str, ...]] = ("memory",)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> MemoryBackend:
@@ -153,17 +151,6 @@ class MemoryBackend(ClosingMixin):
         usage = self._scopes.get(key.scope) if key.scope else None
         if usage is not None and (usage[0] >= self._scope_entries or usage[1] >= self._scope_bytes):
             raise StoreFull("this caller holds its full share of the memory store (scope_share)", scope_quota=True)
-
-    def _insert(self, key: RecordKey, rec: Record) -> None:
-        digest = key.digest
-        self._records[digest] = rec
-        self._keys[digest] = key
-        if key.scope:
-            self._scopes.setdefault(key.scope, [0, 0])[0] += 1
-        heapq.heappush(self._expiry, (rec.expires_at, digest))
-        if len(self._expiry) > 2 * len(self._records) + 1024:
-            self._expiry = [(r.expires_at, d) for d, r in self._records.items()]
-            heapq.heapify(self._expiry)
 
     def _fits(self, key: RecordKey, size: int) -> bool:
         if self._bytes + size > self.max_bytes:

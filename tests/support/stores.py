@@ -187,6 +187,12 @@ class Counting(Delegating):
         return key
 
     def __getattr__(self, name: str) -> Any:
-        if name == "watch" and hasattr(self.inner, "watch"):
+        found = super().__getattr__(name)
+        if name != "watch":
+            return found
+
+        async def watch(*args: Any, **kwargs: Any) -> Any:  # counted when called, not when looked up
             self.calls["watch"] += 1
-        return super().__getattr__(name)
+            return await found(*args, **kwargs)
+
+        return watch

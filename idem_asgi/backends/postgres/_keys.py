@@ -15,11 +15,10 @@ from typing import TYPE_CHECKING, Any, Final
 
 import asyncpg
 
-from ..records import RecordKey
-from ._postgres_pool import _UNAVAILABLE, wrapped
+from ...records import RecordKey
 
 if TYPE_CHECKING:
-    from .postgres import PostgresBackend
+    from ._setup import Setup
 
 HASHED: Final = "\x1f"
 """Marks a `key` column holding a digest: no raw key starts with it (header keys are visible ASCII,
@@ -31,7 +30,7 @@ Completed and never expiring, so neither `stale()` nor `purge()` sees it."""
 _MARK: Final = "namespace = '' AND scope = '' AND key = $1"
 
 
-async def record_raw_keys(backend: PostgresBackend) -> None:
+async def record_raw_keys(backend: Setup) -> None:
     """Record that an app looks rows up by their raw keys (`store_keys=True`); when, as `lease_until`."""
     pool = await backend._get_pool()
     await backend._runner.run(
@@ -44,7 +43,7 @@ async def record_raw_keys(backend: PostgresBackend) -> None:
     )
 
 
-async def raw_keys_recorded(backend: PostgresBackend) -> float | None:
+async def raw_keys_recorded(backend: Setup) -> float | None:
     """When an app with `store_keys=True` last recorded that it uses the table (store clock), or None."""
     pool = await backend._get_pool()
     since: float | None = await backend._runner.run(
@@ -56,13 +55,13 @@ async def raw_keys_recorded(backend: PostgresBackend) -> float | None:
     return since
 
 
-async def forget_raw_keys(backend: PostgresBackend) -> None:
+async def forget_raw_keys(backend: Setup) -> None:
     """Drop that record (`migrate --no-store-keys`, once no worker with `store_keys=True` runs)."""
     pool = await backend._get_pool()
     await backend._runner.run(pool, "execute", f"DELETE FROM {backend.table} WHERE {_MARK}", RAW_KEYS)
 
 
-async def hash_stored_keys(backend: PostgresBackend, batch_size: int) -> tuple[int, int]:
+async def hash_stored_keys(backend: Setup, batch_size: int) -> tuple[int, int]:
     """See `PostgresBackend.hash_stored_keys`."""
     pool = await backend._get_pool()
     t, timeout = backend.table, backend.timeout
@@ -78,7 +77,7 @@ async def hash_stored_keys(backend: PostgresBackend, batch_size: int) -> tuple[i
         f"UPDATE {t} SET scope = '', key = $4 WHERE namespace = $1 AND scope = $2 AND key = $3 "
         f"AND NOT EXISTS (SELECT 1 FROM {t} WHERE namespace = '' AND scope = '' AND key = $5)"
     )
-    try:
+    with backend._runner.errors:
         async with pool.acquire(timeout=timeout) as conn:
             while True:
                 rows = await conn.fetch(select, *last, HASHED, batch_size, timeout=timeout)
@@ -98,8 +97,6 @@ async def hash_stored_keys(backend: PostgresBackend, batch_size: int) -> tuple[i
                     elif await _recorded(conn, t, timeout):
                         return rewritten, left  # an app keeping raw keys started meanwhile: stop
                 last = tuple(rows[-1])
-    except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
-        raise wrapped(exc, t) from exc
 
 
 async def _recorded(conn: Any, table: str, timeout: float) -> bool:

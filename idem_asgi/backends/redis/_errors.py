@@ -1,15 +1,21 @@
 """What a redis-py error means for a request: the store is misconfigured (500, and a failed
-start-up), unavailable (503: the command may or may not have run), or failed otherwise."""
+start-up), unavailable (503: the command may or may not have run), or failed otherwise.
+
+The one place a Redis driver error becomes the library's: every call runs inside `DRIVER_ERRORS`,
+or, on the script-call path itself (`RedisBackend._call`), catches `CAUGHT` and raises `wrapped(exc)`:
+the same mapping without the 0.3 us a `with` costs.
+"""
 
 from __future__ import annotations
 
+from types import TracebackType
 from typing import Final
 
 from redis import exceptions as redis_errors
 from redis.asyncio.sentinel import MasterNotFoundError
 from redis.sentinel import MasterNotFoundError as SyncMasterNotFoundError
 
-from ..errors import BackendError, BackendMisconfigured, BackendUnavailable
+from ...errors import BackendError, BackendMisconfigured, BackendUnavailable
 
 # Errors that mean "Redis did not answer (in time)": the command may or may not have run.
 UNAVAILABLE: Final = (
@@ -37,7 +43,7 @@ _MISCONFIGURED_TEXT: Final = ("DB index is out of range", "unknown command", "NO
 _AUTH_TEXT: Final = ("NOAUTH", "WRONGPASS", "Protocol error: unauthenticated")
 
 
-def wrapped(exc: Exception) -> BackendError:
+def wrapped(exc: BaseException) -> BackendError:
     """The library error for a redis-py error: misconfigured, unavailable, or another store error."""
     what = f"{type(exc).__name__}: {exc}"
     if isinstance(
@@ -63,3 +69,30 @@ def wrapped(exc: Exception) -> BackendError:
     if isinstance(exc, UNAVAILABLE):
         return BackendUnavailable(f"redis unavailable: {what}")
     return BackendError(f"redis error: {what}")
+
+
+CAUGHT: Final = (*UNAVAILABLE, redis_errors.RedisError)
+"""What `DRIVER_ERRORS` turns into a `BackendError`; any other exception passes unchanged."""
+
+
+def retried(exc: BaseException) -> bool:
+    """A dropped connection, tried once more at once on a fresh one (as redis-py's `Retry` does);
+    not a refusal, which would only be refused again."""
+    return isinstance(exc, redis_errors.ConnectionError) and not isinstance(exc, MISCONFIGURED)
+
+
+class DriverErrors:
+    """A context manager raising `wrapped(exc)` for a driver error inside it; stateless, so one
+    instance (`DRIVER_ERRORS`) serves every call (a class: it sits on every call's path)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if isinstance(exc, CAUGHT):
+            raise wrapped(exc) from exc
+
+
+DRIVER_ERRORS: Final = DriverErrors()

@@ -1,16 +1,11 @@
 """Redis store: one Lua script per operation, so a claim-or-read is one atomic round trip.
 
 Layout: one hash per record at `{prefix}{<digest>}` (the digest is the hash tag, so a record
-never spans Redis Cluster slots and client characters never reach the key). Fields: `s` state
-(`p` in progress, `u` in progress whose holder failed mid-answer, `c` completed), `f`
-fingerprint, `t` fencing token, `l` lease deadline and `e` expiry (ms, Redis clock), `r` the
-msgpack-encoded response, `x` the TTL the record was claimed with (ms, so `reconcile` keeps a
-resolved answer as long as the route would), and `n`, `o`, `k` the record's namespace, scope and
-key (UTF-8; written at claim and takeover, read only by `stale()`, so the ops tools can name a
-stuck claim; a record written by an idem_asgi version without these fields is listed with
-namespace, scope and key "?"). The key's own expiry is the route TTL, so an in-progress record
-whose holder died stays visible (and blocks) after its lease ends, until recovery or the TTL
-resolves it.
+never spans Redis Cluster slots and client characters never reach the key); its fields are in
+`_scripts`. `n`, `o`, `k` (namespace, scope, key) are read only by `stale()`; a record written by
+an idem_asgi version without them is listed with "?" for each. The key's own expiry is the route
+TTL, so an in-progress record whose holder died stays visible (and blocks) after its lease ends,
+until recovery or the TTL resolves it.
 
 Scripts are idempotent for their caller's token, so a retried command whose reply was lost
 cannot turn our own claim into a conflict.
@@ -26,50 +21,41 @@ then `outcome-unknown` until the TTL.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, ClassVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
-from ..errors import BackendUnavailable, ConfigurationError, missing_extra
-from ..records import (
-    COMPLETED,
-    IN_PROGRESS,
+from ...errors import BackendUnavailable, ConfigurationError, missing_extra
+from ...records import (
     Claimed,
     ClaimResult,
     Existing,
     Record,
     RecordKey,
-    StaleRecord,
     StoredResponse,
-    decode_response,
     encode_response,
 )
-from ..sealed_keys import KeySeal
-from ._base import ClosingMixin, new_token
-from ._orphans import OrphanSweeper
-from ._redis_scripts import ABANDON, CLAIM, COMPLETE, EXTEND, FAIL, READ, RELEASE, TAKEOVER, WATCH
+from ...sealed_keys import KeySeal
+from .._base import ClosingMixin, new_token
+from .._orphans import OrphanSweeper
+from ._scripts import ABANDON, CLAIM, COMPLETE, EXTEND, FAIL, READ, RELEASE, TAKEOVER, WATCH
 
 try:
-    import redis.asyncio as aioredis
     from redis import exceptions as redis_errors
-    from redis.asyncio.retry import Retry
-    from redis.backoff import ExponentialBackoff
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise missing_extra("RedisBackend needs redis-py", "redis") from exc
 
 # After the check above: these need redis-py.
-from . import _redis_keys
-from ._redis_durable import run_then_wait, warn_on_replication
-from ._redis_errors import MISCONFIGURED, UNAVAILABLE, wrapped
-from ._redis_notices import Notices
-from ._redis_stale import scan_stale
-from ._redis_url import check_options
+from ._connect import Implementation, lean_pool, open_url, refuse_decoding
 
-try:
+if TYPE_CHECKING:
     from ._resp import RespPool
-except ImportError:  # pragma: no cover - hiredis missing: redis-py serves every call
-    RespPool = None  # type: ignore[assignment,misc]
+from ._durable import durable_ms, run_then_wait
+from ._errors import CAUGHT, DRIVER_ERRORS, retried, wrapped
+from ._notices import Notices
+from ._replies import record
+from ._startup import warn_on_eviction, warn_on_replication
+from ._tools import Tools
 
 logger = logging.getLogger("idem_asgi")
 
@@ -82,21 +68,7 @@ def _utf8(text: str) -> bytes:
     return text.encode("utf-8", "surrogateescape")
 
 
-def _record(reply: list[Any]) -> Record:
-    _, _, state, fingerprint, token, lease_until, expires_at, blob, ttl = reply
-    return Record(
-        COMPLETED if state == b"c" else IN_PROGRESS,
-        fingerprint,
-        int(token),
-        int(lease_until) / 1000,
-        int(expires_at) / 1000,
-        decode_response(blob) if blob else None,
-        holder_failed=state == b"u",
-        ttl=None if ttl is None else int(ttl) / 1000,
-    )
-
-
-class RedisBackend(ClosingMixin):
+class RedisBackend(Tools, ClosingMixin):
     """Idempotency records in Redis (6.2+, Valkey, Redis Cluster) through redis-py's asyncio client.
 
     Args:
@@ -129,6 +101,10 @@ class RedisBackend(ClosingMixin):
         key_secret: Keep the scope and key sealed with this secret in `k` (comma-separated,
             newest first; default `$IDEM_ASGI_KEY_SECRET`), so `stale()` lists claims by key for
             the ops tools holding it while a dump shows none (`idem_asgi.sealed_keys`).
+        implementation: Which client serves the per-request script calls. `"auto"` (the default):
+            the lean pool where the client allows it (above), redis-py otherwise; `"lean"`: the
+            lean pool, and `ConfigurationError` for a client it cannot serve (or without
+            hiredis); `"redis-py"`: the client itself, always.
     """
 
     def __init__(
@@ -142,36 +118,26 @@ class RedisBackend(ClosingMixin):
         durable_timeout: float | None = None,
         store_keys: bool = False,
         key_secret: str | Sequence[str] | None = None,
+        implementation: Implementation = "auto",
         _owned: bool = False,
         _lean: RespPool | None = None,
     ) -> None:
-        kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
-        if kwargs.get("decode_responses") or (getattr(client, "get_encoder", None) and _decodes(client)):
-            raise ConfigurationError("RedisBackend needs a client made with decode_responses=False")
+        refuse_decoding(client)
         if max_concurrency is not None and max_concurrency < 1:
             raise ConfigurationError(f"max_concurrency must be at least 1, got {max_concurrency!r}")
         self.client = client
         self.prefix = prefix
         self.timeout = timeout
         self._owned = _owned
-        durable_timeout = timeout / 2 if durable_timeout is None else durable_timeout
-        if durable_replicas < 0:
-            raise ConfigurationError(f"durable_replicas must be 0 or more, got {durable_replicas!r}")
-        if durable_replicas and not 0 < durable_timeout < timeout:
-            raise ConfigurationError(
-                f"durable_timeout must be more than 0 and less than timeout ({timeout}s), got {durable_timeout!r}"
-            )
+        self._durable_ms = durable_ms(durable_replicas, durable_timeout, timeout)
         self.durable_replicas = durable_replicas
         self.store_keys = store_keys
         self.key_seal = KeySeal.from_setting(key_secret)
         self._raw_recorded = False  # `store_keys=True` recorded under the prefix (once per backend)
         self._sentinel: Any = None  # from_url's Sentinel (redis+sentinel://), closed with the client
-        self._durable_ms = _ms(durable_timeout)
-        # from_url's lean connection pool (see _resp.py) serves the hot script calls; the
-        # redis-py client then only serves the tools (stale, SCAN) and connects when they run.
-        if _lean is None and RespPool is not None:
-            _lean = RespPool.from_client(client, timeout=timeout)
-        self._lean = _lean
+        # The lean connection pool (see _connect.py), where there is one, serves the hot script
+        # calls; the redis-py client then only serves the tools (stale, SCAN) and connects when they run.
+        self._lean = lean_pool(client, implementation, timeout=timeout) if _lean is None else _lean
         self._slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         # redis-py's RedisCluster builds its slot map on first use and then recycles every
         # connection; a burst arriving during that start-up sees "Connection closed by server".
@@ -198,8 +164,6 @@ class RedisBackend(ClosingMixin):
         # (redis key, token) -> [give-up time (monotonic), seen absent once]
         self._orphans = OrphanSweeper(self._abandon_claim)
 
-    SCHEMES: ClassVar[tuple[str, ...]] = ("redis", "rediss", "unix", "redis+sentinel")
-
     @classmethod
     def from_url(
         cls,
@@ -209,6 +173,7 @@ class RedisBackend(ClosingMixin):
         max_connections: int = 256,
         timeout: float = 2.0,
         cluster: bool = False,
+        implementation: Implementation = "auto",
         **client_options: Any,
     ) -> RedisBackend:
         """Build a backend that owns its client (`redis://`, `rediss://`, `unix://` or
@@ -227,62 +192,38 @@ class RedisBackend(ClosingMixin):
                 server at once (one immediate retry on a fresh connection covers stale
                 pooled connections after a restart).
             cluster: Use `redis.asyncio.RedisCluster` (keys hash by their `{digest}` tag).
+            implementation: `"auto"`, `"lean"` or `"redis-py"`: which client serves the script
+                calls (see the class, and below).
             client_options: Passed to redis-py (`ssl_ca_certs`, `username`, `password`, ...),
                 and `durable_replicas` / `durable_timeout` to the backend (see the class). With
                 `redis+sentinel://`, `durable_replicas` defaults to 1 (a claim counts once a replica
                 has it, so a failover cannot hand it to a retry); opt out with `durable_replicas=0`
                 or `?durable_replicas=0` on the URL.
 
-        The URL is parsed by redis-py alone (its rules for the db in the path or in `?db=`, for
-        credentials and query options). For a `redis://` or `unix://` URL without cluster, the
-        script calls go through a lean connection pool (`_resp.RespPool`, hiredis; same server,
-        db, credentials, size, timeouts and one-retry rule) that costs a fraction of redis-py's
-        CPU per call, and the redis-py client serves only the ops tools; a URL or option asking
-        for what the lean pool does not do (TLS, RESP3, `client_name`, `retry_on_timeout`,
-        `health_check_interval`, ...) leaves every call to redis-py. An option redis-py's
+        The URL is parsed by redis-py alone (its rules for the db, credentials and query options).
+        The script calls of a `redis://` or `unix://` URL without cluster go through the lean pool
+        where `implementation` allows (docs/redis.md, "The lean path"). An option redis-py's
         connections do not take (a typo) raises `ConfigurationError` here, not at the first request.
         """
-        durable: dict[str, Any] = {
-            k: client_options.pop(k)
-            for k in ("durable_replicas", "durable_timeout", "store_keys", "key_secret")
-            if k in client_options
-        }
-        options: dict[str, Any] = {
-            "socket_timeout": timeout,
-            "socket_connect_timeout": timeout,
-            # Retry once, at once, on a dropped connection (a restarted server leaves stale
-            # pooled sockets); never on a timeout, which would double the time to answer 503.
-            "retry": Retry(
-                ExponentialBackoff(cap=0.05, base=0.01), retries=1, supported_errors=(redis_errors.ConnectionError,)
-            ),
-            "decode_responses": False,
-            **client_options,
-        }
-        client: Any
-        if url.lower().startswith("redis+sentinel://"):
-            from ._redis_sentinel import durable_options, sentinel_client
-
-            # Sentinel means replicas: claims are durable unless the URL or the caller says otherwise.
-            url, durable = durable_options(url, durable)
-            client, sentinel = sentinel_client(url, max_connections=max_connections, **options)
-            backend = cls(
-                client, prefix=prefix, max_concurrency=max_connections, timeout=timeout, _owned=True, **durable
-            )
-            backend._sentinel = sentinel
-            return backend
-        if cluster:
-            client = aioredis.RedisCluster.from_url(url, max_connections=max_connections, **options)
-            return cls(client, prefix=prefix, max_concurrency=max_connections, timeout=timeout, _owned=True, **durable)
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=timeout, **options
+        opened = open_url(
+            url,
+            max_connections=max_connections,
+            timeout=timeout,
+            cluster=cluster,
+            implementation=implementation,
+            options=client_options,
         )
-        check_options(pool)
-        client = aioredis.Redis.from_pool(pool)
-        # The lean pool reads redis-py's own parse of the URL: both use one server, one db, one user.
-        lean = None
-        if RespPool is not None:
-            lean = RespPool.from_client(client, timeout=timeout, max_connections=max_connections)
-        return cls(client, prefix=prefix, timeout=timeout, _owned=True, _lean=lean, **durable)
+        backend = cls(
+            opened.client,
+            prefix=prefix,
+            timeout=timeout,
+            implementation=implementation,
+            _owned=True,
+            _lean=opened.lean,
+            **opened.backend_options,
+        )
+        backend._sentinel = opened.sentinel
+        return backend
 
     def _names(self, key: RecordKey) -> tuple[bytes, bytes, bytes]:
         """Namespace, scope and key as kept in the record: the scope and key only with `store_keys`."""
@@ -295,12 +236,6 @@ class RedisBackend(ClosingMixin):
     def _key(self, key: RecordKey) -> str:
         return f"{self.prefix}{{{key.digest}}}"
 
-    async def _start(self) -> None:
-        async with self._start_lock:
-            if self._starting:
-                await self.client.initialize()
-                self._starting = False
-
     async def _call(self, script: Any, name: str, *args: Any) -> Any:
         try:
             if self._starting:
@@ -309,33 +244,16 @@ class RedisBackend(ClosingMixin):
                 try:
                     return await script(keys=[name], args=args)
                 except redis_errors.ConnectionError as exc:
-                    if isinstance(exc, MISCONFIGURED):
+                    if not retried(exc):
                         raise
-                    # Once, at once, on a fresh connection (as redis-py's Retry does): a restarted
-                    # server drops the connection. Every script is idempotent for its caller's token.
+                    # A restarted server drops the connection. Every script is idempotent for its caller's token.
                     return await script(keys=[name], args=args)
             if self._slots is None:
                 return await script(keys=[name], args=args)
             async with self._slot():
                 return await script(keys=[name], args=args)
-        except (*UNAVAILABLE, redis_errors.RedisError) as exc:
+        except CAUGHT as exc:  # DRIVER_ERRORS inline: a `with` costs 0.3 us on every request's calls
             raise wrapped(exc) from exc
-
-    @contextlib.asynccontextmanager
-    async def _slot(self) -> AsyncIterator[None]:
-        """One `max_concurrency` slot, waited for up to `timeout` (nothing to wait for without a limit)."""
-        slots = self._slots
-        if slots is None:
-            yield
-            return
-        try:
-            await asyncio.wait_for(slots.acquire(), self.timeout)
-        except TimeoutError:
-            raise BackendUnavailable(f"redis: no free connection within {self.timeout}s") from None
-        try:
-            yield
-        finally:
-            slots.release()
 
     async def claim(self, key: RecordKey, fingerprint: bytes, *, lease: float, ttl: float) -> ClaimResult:
         if self.store_keys and not self._raw_recorded:
@@ -356,27 +274,22 @@ class RedisBackend(ClosingMixin):
             if acked < self.durable_replicas:
                 await self._withdraw(name, token, ttl, acked)
             return Claimed(token)
-        return Existing(_record(reply), reply[1] / 1000)
+        return Existing(record(reply), reply[1] / 1000)
 
     async def _call_durable(self, script: Any, name: str, *args: Any) -> tuple[Any, int]:
         """`_call`, and how many replicas confirmed the write (`WAIT` behind it, same connection)."""
-        try:
+        with DRIVER_ERRORS:
             if self._starting:
                 await self._start()
             async with self._slot():
+                wait = ("WAIT", self.durable_replicas, self._durable_ms)
                 try:
-                    return await run_then_wait(
-                        self.client, self._lean, script, name, args, self.durable_replicas, self._durable_ms
-                    )
+                    return await run_then_wait(self.client, self._lean, script, name, args, wait)
                 except redis_errors.ConnectionError as exc:
-                    if self._lean is None or isinstance(exc, MISCONFIGURED):
+                    if self._lean is None or not retried(exc):
                         raise
                     # Once, at once, on a fresh connection, as `_call` does (redis-py retries itself).
-                    return await run_then_wait(
-                        self.client, self._lean, script, name, args, self.durable_replicas, self._durable_ms
-                    )
-        except (*UNAVAILABLE, redis_errors.RedisError) as exc:
-            raise wrapped(exc) from exc
+                    return await run_then_wait(self.client, self._lean, script, name, args, wait)
 
     async def _withdraw(self, name: str, token: int, ttl: float, acked: int) -> None:
         """A claim the replicas did not confirm: take it back (or leave it to the orphan sweep),
@@ -417,7 +330,7 @@ class RedisBackend(ClosingMixin):
             return Claimed(token)
         if reply[0] == 2:
             return None  # gone (released, completed and expired, or past its TTL): nothing to take over
-        return Existing(_record(reply), reply[1] / 1000)
+        return Existing(record(reply), reply[1] / 1000)
 
     async def complete(self, key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
         blob = encode_response(response)
@@ -466,93 +379,13 @@ class RedisBackend(ClosingMixin):
         result = await self.claim(probe, b"check", lease=5.0, ttl=5.0)
         if isinstance(result, Claimed):
             await self.release(probe, result.token)
-        await self._warn_on_eviction()
+        await warn_on_eviction(self.client, self._cluster, self.timeout)
         if not self._cluster:
             await warn_on_replication(self.client, self.durable_replicas, self.timeout)
 
-    async def _warn_on_eviction(self) -> None:
-        try:  # INFO, not CONFIG: managed services that refuse CONFIG still answer it
-            every_shard = {"target_nodes": self.client.get_primaries()} if self._cluster else {}
-            info = await asyncio.wait_for(self.client.info("memory", **every_shard), self.timeout)
-        except Exception:  # not allowed or not answered: the claim above already proved the store
-            return
-        nodes = info.values() if self._cluster and isinstance(info, dict) and "maxmemory_policy" not in info else [info]
-        policies = {str(node.get("maxmemory_policy", "")) for node in nodes if isinstance(node, dict)}
-        evicting = sorted(p for p in policies if p and p != "noeviction")
-        if evicting:
-            logger.warning(
-                "idem_asgi: Redis maxmemory-policy is %s: under memory pressure Redis may delete idempotency "
-                "records before their TTL, and a retry of such a key runs again; set maxmemory-policy noeviction "
-                "(a full Redis then refuses new claims: 503)",
-                ", ".join(evicting),
-            )
-
     async def get(self, key: RecordKey) -> Record | None:
         reply = await self._call(self._read, self._key(key))
-        return _record(reply) if reply[0] == 1 else None
-
-    # -- ops tools: stale claims and purge --------------------------------------------------
-
-    @contextlib.asynccontextmanager
-    async def _tool_call(self) -> AsyncIterator[None]:
-        """One `max_concurrency` slot and the same error mapping as `_call`, for multi-command tools."""
-        try:
-            if self._starting:
-                await self._start()
-            async with self._slot():
-                yield
-        except (*UNAVAILABLE, redis_errors.RedisError) as exc:
-            raise wrapped(exc) from exc
-
-    async def stale(
-        self, older_than: float = 0.0, limit: int = 1000, *, namespace: str | None = None, scan_count: int = 500
-    ) -> list[StaleRecord]:
-        """In-progress records whose lease ended more than `older_than` seconds ago (by Redis's clock).
-
-        Walks the keys under `prefix` with `SCAN ... COUNT scan_count TYPE hash` (on every primary
-        of a cluster), and reads each batch with one pipelined round trip (`TIME` and one `HMGET`
-        per key). Never blocks Redis for long, so it is safe while serving; it costs one pass over
-        the keyspace, so run it every few minutes, not per request. Stops once `limit` records are
-        found: those are in scan order, not the oldest of all (sorted by lease end among
-        themselves). Records written before namespace, scope and key were stored are listed with
-        "?" for each (and never match a `namespace` filter).
-        """
-        if limit < 1:
-            return []
-        if scan_count < 1:
-            raise ValueError("scan_count must be at least 1")
-        return await scan_stale(self, older_than, limit, namespace, scan_count)
-
-    async def hash_stored_keys(self, scan_count: int = 500) -> tuple[int, int]:
-        """Blank the raw scope and key (fields `o`, `k`) in records of earlier versions or of
-        `store_keys=True`, walking `prefix*` with `SCAN` (every primary of a cluster) and fixing
-        each batch in one pipelined round trip; `idem-asgi migrate` runs it. Blanks nothing while
-        an app with `store_keys=True` is recorded under this prefix (`raw_keys_recorded`).
-        Returns (rewritten, 0)."""
-        return await _redis_keys.hash_stored_keys(self, scan_count)
-
-    async def record_raw_keys(self) -> None:
-        """Record under `{prefix}store_keys` that an app keeps raw keys (`store_keys=True` does it
-        before its first claim; `idem-asgi migrate --store-keys` too), so `migrate` keeps them."""
-        await _redis_keys.record_raw_keys(self)
-        self._raw_recorded = True
-
-    async def raw_keys_recorded(self) -> float | None:
-        """When an app with `store_keys=True` last recorded that it uses this prefix, or None."""
-        return await _redis_keys.raw_keys_recorded(self)
-
-    async def forget_raw_keys(self) -> None:
-        """Drop that record (`idem-asgi migrate --no-store-keys`, once no such worker runs)."""
-        await _redis_keys.forget_raw_keys(self)
-
-    async def purge(self, batch_size: int = 1000) -> int:
-        """Nothing to do: every record key carries its TTL (`PEXPIRE`), so Redis deletes it itself.
-
-        Returns 0. Kept so that one purge job works with every store.
-        """
-        if batch_size < 1:
-            raise ValueError("batch_size must be at least 1")
-        return 0
+        return record(reply) if reply[0] == 1 else None
 
     # -- claims whose reply was lost -------------------------------------------------------
 
@@ -580,10 +413,3 @@ class RedisBackend(ClosingMixin):
         if self._sentinel is not None:
             for sentinel in self._sentinel.sentinels:
                 await sentinel.aclose()
-
-
-def _decodes(client: Any) -> bool:
-    try:
-        return bool(client.get_encoder().decode_responses)
-    except Exception:
-        return False

@@ -11,13 +11,12 @@ from collections.abc import AsyncIterator
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
-from ..context import ClaimHandle, current_idempotency
-from ..errors import ClaimLost, ConfigurationError
-from ._postgres_lean import LeanPool, broken_by
-from ._postgres_pool import _UNAVAILABLE, wrapped
+from ...context import ClaimHandle, current_idempotency
+from ...errors import ClaimLost, ConfigurationError
+from ._lean import LeanPool, broken_by
 
 if TYPE_CHECKING:
-    from .postgres import PostgresBackend
+    from ._store import PostgresBackend
 
 _open_connection: ContextVar[Any] = ContextVar("idem_asgi_postgres_transaction", default=None)
 """The connection of the `transaction()` block open in this task, for blocks nested in it."""
@@ -43,7 +42,7 @@ def live_claim(store: PostgresBackend) -> ClaimHandle | None:
     if claim is None:
         return None
     if not _holds(claim.backend, store):
-        from .postgres import PostgresBackend  # imported here: postgres.py imports this module
+        from ._store import PostgresBackend  # imported here: _store.py imports this module
 
         if isinstance(claim.backend, PostgresBackend):
             raise ConfigurationError("this request was claimed through another PostgresBackend instance")
@@ -79,13 +78,9 @@ async def _connection(store: PostgresBackend, connection: Any) -> AsyncIterator[
     if connection is not None:
         yield connection
         return
-    import asyncpg
-
     pool = await store._get_pool()
-    try:
+    with store._runner.errors:
         conn = await pool.acquire(timeout=store.timeout)
-    except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
-        raise wrapped(exc, store.table) from exc
     try:
         yield conn
     except BaseException as exc:

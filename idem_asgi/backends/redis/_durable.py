@@ -14,14 +14,12 @@ call is made once more on the new owner.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
 from typing import Any
 
 from redis import exceptions as redis_errors
 
-logger = logging.getLogger("idem_asgi")
+from ...errors import ConfigurationError
 
 
 def _source(script: Any) -> tuple[str, bytes | str]:
@@ -30,10 +28,10 @@ def _source(script: Any) -> tuple[str, bytes | str]:
 
 
 async def run_then_wait(
-    client: Any, lean: Any, script: Any, name: str, args: tuple[Any, ...], replicas: int, timeout_ms: int
+    client: Any, lean: Any, script: Any, name: str, args: tuple[Any, ...], wait: tuple[str, int, int]
 ) -> tuple[Any, int]:
     """The script's reply and the number of replicas that confirmed it (and every earlier write
-    on that connection) within `timeout_ms`. Raises what the script raised."""
+    on that connection): `wait` is `("WAIT", replicas, timeout_ms)`. Raises what the script raised."""
     for attempt in (1, 2):
         sha, source = _source(script)
         # The first call of a script sends its source (EVAL caches it on the server): a NOSCRIPT
@@ -42,7 +40,6 @@ async def run_then_wait(
             evalsha: tuple[Any, ...] = ("EVALSHA", sha, 1, name, *args)
         else:
             evalsha = ("EVAL", source, 1, name, *args)
-        wait = ("WAIT", replicas, timeout_ms)
         if lean is not None:
             reply, acked = await lean.execute_many(evalsha, wait)
         elif hasattr(client, "nodes_manager"):
@@ -95,20 +92,13 @@ async def _on_shard(cluster: Any, name: str, *commands: tuple[Any, ...]) -> list
     return replies
 
 
-async def warn_on_replication(client: Any, durable_replicas: int, timeout: float) -> None:
-    """Log (at start-up) that a failover can cost claims: the primary has replicas, the claims are
-    not durable. (Durable claims without enough replicas need no warning: `check()`'s own claim is
-    refused.)"""
-    try:  # INFO, not ROLE or CONFIG: managed services that refuse those still answer it
-        info = await asyncio.wait_for(client.info("replication"), timeout)
-        replicas = int(info.get("connected_slaves", 0))
-    except Exception:  # not allowed or not answered: the claim before this already proved the store
-        return
-    if replicas and not durable_replicas:
-        logger.warning(
-            "idem_asgi: this Redis primary has %d connected replica(s) and claims are not durable: a failover "
-            "to a replica that missed a claim lets a retry run the request again (measured once: a primary paused "
-            "4 s behind Sentinel under a storm, 11 duplicate executions of 800 requests); pass durable_replicas=1 "
-            "so that a claim counts only once a replica has it (redis+sentinel:// URLs do by default)",
-            replicas,
+def durable_ms(replicas: int, timeout: float | None, call_timeout: float) -> int:
+    """The `WAIT` timeout in ms for `durable_timeout` (default half the call's `timeout`), checked."""
+    timeout = call_timeout / 2 if timeout is None else timeout
+    if replicas < 0:
+        raise ConfigurationError(f"durable_replicas must be 0 or more, got {replicas!r}")
+    if replicas and not 0 < timeout < call_timeout:
+        raise ConfigurationError(
+            f"durable_timeout must be more than 0 and less than timeout ({call_timeout}s), got {timeout!r}"
         )
+    return max(1, round(timeout * 1000))

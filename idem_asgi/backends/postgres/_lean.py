@@ -93,18 +93,12 @@ class LeanPool:
 
     # -- sizes, as asyncpg's Pool reports them --------------------------------------------------
 
-    def get_min_size(self) -> int:
-        return self._min
-
     def get_max_size(self) -> int:
         return self._max
 
     def get_size(self) -> int:
         """Connections open, in use or idle."""
         return len(self._idle) + len(self._busy)
-
-    def get_idle_size(self) -> int:
-        return len(self._idle)
 
     def is_closing(self) -> bool:
         return self._closing

@@ -21,8 +21,8 @@ from typing import Any, Final
 
 import asyncpg
 
-from ..errors import BackendMisconfigured
-from ._postgres_lean import POOL_ONLY
+from ...errors import BackendMisconfigured
+from ._lean import POOL_ONLY
 
 STATEMENT_POOLING: Final = "statement pooling"
 """In PgBouncer's refusal of a transaction block: "transaction blocks not allowed in statement pooling mode"."""

@@ -14,36 +14,36 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..sealed_keys import is_sealed
-from ._redis_scripts import BLANK_NAMES
-from ._redis_stale import _glob_escape
+from ...sealed_keys import is_sealed
+from ._scripts import BLANK_NAMES
+from ._stale import glob_escape
 
 if TYPE_CHECKING:
-    from .redis import RedisBackend
+    from ._tools import Tools
 
 
-def mark(store: RedisBackend) -> str:
+def mark(store: Tools) -> str:
     """The settings key: outside `{prefix}{<digest>}`, so no scan of records ever meets it."""
     return f"{store.prefix}store_keys"
 
 
-async def record_raw_keys(store: RedisBackend) -> None:
+async def record_raw_keys(store: Tools) -> None:
     async with store._tool_call():
         await store.client.set(mark(store), repr(time.time()))
 
 
-async def raw_keys_recorded(store: RedisBackend) -> float | None:
+async def raw_keys_recorded(store: Tools) -> float | None:
     async with store._tool_call():
         value = await store.client.get(mark(store))
     return None if value is None else float(value)
 
 
-async def forget_raw_keys(store: RedisBackend) -> None:
+async def forget_raw_keys(store: Tools) -> None:
     async with store._tool_call():
         await store.client.delete(mark(store))
 
 
-async def hash_stored_keys(store: RedisBackend, scan_count: int) -> tuple[int, int]:
+async def hash_stored_keys(store: Tools, scan_count: int) -> tuple[int, int]:
     """See `RedisBackend.hash_stored_keys`."""
     rewritten = 0
     async with store._tool_call():
@@ -54,7 +54,7 @@ async def hash_stored_keys(store: RedisBackend, scan_count: int) -> tuple[int, i
             cursor: Any = 0
             while True:
                 cursor, names = await client.scan(
-                    cursor, match=_glob_escape(store.prefix) + "{*}", count=scan_count, **options
+                    cursor, match=glob_escape(store.prefix) + "{*}", count=scan_count, **options
                 )
                 if isinstance(cursor, dict):
                     cursor = cursor[node.name]

@@ -13,38 +13,31 @@ import contextlib
 import logging
 import re
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, Final, Literal
+from typing import Any, Final, Literal
 
 import anyio
 import msgspec
 
-from ..errors import (
-    BackendError,
-    BackendMisconfigured,
-    ClaimLost,
-    ConfigurationError,
-    missing_extra,
-)
-from ..records import COMPLETED, IN_PROGRESS, Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
-from ..records import StaleRecord as StaleRecord  # re-exported: it was defined here before records.py
-from ..sealed_keys import KeySeal, opened
-from ._base import ClosingMixin, new_token
-from ._orphans import OrphanSweeper
-from ._postgres_notices import Notices, channel_of
-from ._postgres_sql import DDL, Statements, index_name
+from ...errors import BackendError, ClaimLost, ConfigurationError, missing_extra
+from ...records import COMPLETED, IN_PROGRESS, Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
+from ...records import StaleRecord as StaleRecord  # re-exported: it was defined here before records.py
+from ...sealed_keys import KeySeal, opened
+from .._base import ClosingMixin, new_token
+from .._orphans import OrphanSweeper
+from ._notices import Notices, channel_of
+from ._sql import Statements, index_name
 
 try:
-    import asyncpg
+    import asyncpg  # noqa: F401  # the check that the extra is installed
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise missing_extra("PostgresBackend needs asyncpg", "postgres") from exc
 
 # After the check above: these need asyncpg.
-from . import _postgres_keys
-from ._postgres_effects import effect_transaction, live_claim
-from ._postgres_keys import HASHED
-from ._postgres_lean import POOL_ONLY, LeanPool
-from ._postgres_pool import _UNAVAILABLE, Runner, keep_session, wrapped
-from ._postgres_pooler import probe, probe_dsn, try_a_transaction
+from ._effects import effect_transaction, live_claim
+from ._keys import HASHED
+from ._lean import POOL_ONLY
+from ._pool import Runner
+from ._setup import Setup
 
 logger = logging.getLogger("idem_asgi")
 
@@ -66,7 +59,7 @@ _headers_encode = msgspec.msgpack.Encoder().encode
 _headers_decode = msgspec.msgpack.Decoder(list[tuple[bytes, bytes]]).decode
 
 
-class PostgresBackend(ClosingMixin):
+class PostgresBackend(Setup, ClosingMixin):
     """Idempotency records in a PostgreSQL table through an asyncpg pool.
 
     Args:
@@ -113,6 +106,7 @@ class PostgresBackend(ClosingMixin):
         self._dsn: str | None = None
         self._pool_options: dict[str, Any] = {}
         self._create_table = True
+        self._lean = True  # from_dsn's `implementation`: the lean pool, or asyncpg's
         self._owned = False
         self._lock = anyio.Lock()
         self._orphans = OrphanSweeper(self._abandon_claim)
@@ -121,17 +115,6 @@ class PostgresBackend(ClosingMixin):
         self._channel = channel_of(self.table)
         self._notices: Notices | None = None  # opened by the first watch (from_dsn, no pooler)
         self._pooled = False  # a transaction-mode pooler in front: LISTEN cannot work
-
-    SCHEMES: ClassVar[tuple[str, ...]] = ("postgres", "postgresql")
-
-    @property
-    def timeout(self) -> float:
-        """Seconds each store call may take, waiting for a pooled connection included."""
-        return self._timeout
-
-    @timeout.setter
-    def timeout(self, value: float) -> None:
-        self._timeout = self._runner.timeout = value
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> PostgresBackend:
@@ -148,6 +131,7 @@ class PostgresBackend(ClosingMixin):
         create_table: bool = True,
         store_keys: bool = False,
         key_secret: str | Sequence[str] | None = None,
+        implementation: Literal["lean", "asyncpg"] = "lean",
         **pool_options: Any,
     ) -> PostgresBackend:
         """A backend that creates (and owns) its pool on first use, and its table if missing.
@@ -156,133 +140,36 @@ class PostgresBackend(ClosingMixin):
         creates it): a missing table is then a `BackendMisconfigured` naming `idem-asgi migrate`.
 
         The pool holds `min_size=2` to `max_size=20` connections (`pool_options`). Before it is
-        built, one connection is asked two things (`_postgres_pooler.py`): whether it goes through
+        built, one connection is asked two things (`_pooler.py`): whether it goes through
         a pooler such as PgBouncer (then the pool's connections make no named prepared statements,
         `statement_cache_size=0`, unless you set it), and the sessions' default isolation (not
         READ COMMITTED, which the claim relies on: then each statement runs in a READ COMMITTED
         transaction). No startup parameter is sent, so a stock PgBouncer in transaction mode
-        serves the plain URL. It is a lean pool of raw asyncpg connections (`_postgres_lean.py`:
-        half the client CPU per statement of asyncpg's pool, callers served in order); every
-        other option goes to `asyncpg.connect` (`ssl`, `server_settings`, `statement_cache_size`,
-        ...). Given an option only asyncpg's pool has (`init`, `setup`, `connect`, `reset`,
-        `max_queries`, `max_inactive_connection_lifetime`), asyncpg's `create_pool` is used instead,
-        with a reset hook that sends nothing unless you pass `reset` (the backend leaves no session
-        state behind, and asyncpg's reset query would double the round trips).
+        serves the plain URL.
+
+        `implementation` picks the pool. `"lean"` (the default): a pool of raw asyncpg connections
+        (`_lean.py`: half the client CPU per statement of asyncpg's pool, callers served in order);
+        every other option goes to `asyncpg.connect` (`ssl`, `server_settings`,
+        `statement_cache_size`, ...), and an option only asyncpg's pool has (`init`, `setup`,
+        `connect`, `reset`, `max_queries`, `max_inactive_connection_lifetime`) is a
+        `ConfigurationError` naming `implementation="asyncpg"`. `"asyncpg"`: `asyncpg.create_pool`
+        with all the options, and a reset hook that sends nothing unless you pass `reset` (the
+        backend leaves no session state behind, and asyncpg's reset query would double the round trips).
         """
+        pool_only = sorted((POOL_ONLY | {"reset"}) & pool_options.keys())
+        if implementation not in ("lean", "asyncpg"):
+            raise ConfigurationError(f"implementation must be 'lean' or 'asyncpg', got {implementation!r}")
+        if implementation == "lean" and pool_only:
+            raise ConfigurationError(
+                f"{', '.join(pool_only)}: an option of asyncpg's pool; pass implementation='asyncpg' to use it"
+            )
         backend = cls(table=table, timeout=timeout, store_keys=store_keys, key_secret=key_secret)
+        backend._lean = implementation == "lean"
         backend._dsn = dsn
         backend._create_table = create_table
         backend._pool_options = {"min_size": 2, "max_size": 20, **pool_options}
         backend._owned = True
         return backend
-
-    @property
-    def ddl(self) -> str:
-        """The schema as SQL text, for migration tools."""
-        return DDL.format(table=self.table, **self._indexes)
-
-    async def _get_pool(self) -> Any:
-        if self._pool is not None:
-            return self._pool
-        if self._dsn is None:
-            raise ConfigurationError("PostgresBackend needs a pool or PostgresBackend.from_dsn(dsn)")
-        # The wait for another request's attempt counts against this request's timeout: with the
-        # server hung, the tenth caller would otherwise wait ten timeouts.
-        try:
-            with anyio.fail_after(self.timeout):
-                async with self._lock:
-                    if self._pool is None:
-                        options = await self._probed_options()
-                        pool: Any
-                        if POOL_ONLY.isdisjoint(options) and "reset" not in options:
-                            pool = await LeanPool(self._dsn, **options).start()
-                        else:
-                            pool = await asyncpg.create_pool(self._dsn, **{"reset": keep_session, **options})
-                        try:
-                            if self._create_table:
-                                async with pool.acquire() as conn:
-                                    await self._create(conn)
-                        except BaseException:
-                            pool.terminate()
-                            raise
-                        self._pool = pool
-        except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
-            raise wrapped(exc, self.table) from exc
-        except ValueError as exc:  # an unparseable DSN (asyncpg's ClientConfigurationError is one too)
-            raise BackendMisconfigured(f"postgres: invalid DSN: {exc}") from exc
-        return self._pool
-
-    async def _probed_options(self) -> dict[str, Any]:
-        """The pool's options, after asking one connection what it goes through (see `from_dsn`)."""
-        assert self._dsn is not None
-        found = await probe_dsn(self._dsn, self._pool_options, self.timeout)
-        self._runner.isolate = found.isolation != "read committed"
-        self._pooled = found.pooled
-        if found.pooled:
-            return {"statement_cache_size": 0, **self._pool_options}
-        return self._pool_options
-
-    async def _create(self, conn: Any) -> None:
-        exists = "SELECT " + " AND ".join(f"to_regclass(${i}) IS NOT NULL" for i in range(1, len(self._relations) + 1))
-        # (and the newest column: tables made by earlier releases get it from the DDL's ALTER)
-        exists += (
-            " AND (SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($1)"
-            " AND attname IN ('watched', 'sealed_key')) = 2"
-        )
-        if await conn.fetchval(exists, *self._relations, timeout=self.timeout):
-            return  # nothing to do, and no lock taken on a table that is serving
-        # CREATE ... IF NOT EXISTS is not safe against itself: two workers starting together can
-        # both pass the check and one fails on pg_type's unique index. A transaction-scoped
-        # advisory lock on the table name serialises them.
-        async with conn.transaction():
-            await conn.execute(
-                "SELECT pg_advisory_xact_lock(hashtextextended($1, 1953))", self.table, timeout=self.timeout
-            )
-            await conn.execute(self.ddl, timeout=self.timeout)
-
-    async def check(self) -> None:
-        """Connect, create the table if missing, and prove the role may use it (rights to read and write).
-
-        Raises `BackendMisconfigured` naming the fix (`idem-asgi migrate`, the GRANT needed, a
-        pooler's setting), or `BackendUnavailable` when the server cannot be reached now.
-        """
-        await self.setup()
-        pool = await self._get_pool()
-        try:
-            async with pool.acquire(timeout=self.timeout) as conn:
-                await try_a_transaction(conn, self.timeout)  # PgBouncer's statement mode refuses it
-        except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
-            raise wrapped(exc, self.table) from exc
-        sql = (
-            "SELECT has_table_privilege($1, 'SELECT') AND has_table_privilege($1, 'INSERT') "
-            "AND has_table_privilege($1, 'UPDATE') AND has_table_privilege($1, 'DELETE')"
-        )
-        if not await self._runner.run(pool, "fetchval", sql, self.table):
-            raise BackendMisconfigured(
-                f"postgres: the role may not read and write {self.table}; fix: GRANT SELECT, INSERT, UPDATE, "
-                f"DELETE ON {self.table} TO <the app's role>"
-            )
-
-    async def may_alter(self) -> bool:
-        """Whether this role owns the table (or is a member of its owner): only then can it run a
-        later version's `ALTER TABLE`; `idem-asgi migrate` says so when it cannot."""
-        sql = "SELECT pg_has_role(current_user, relowner, 'USAGE') FROM pg_class WHERE oid = to_regclass($1)"
-        return bool(await self._runner.run(await self._get_pool(), "fetchval", sql, self.table))
-
-    async def setup(self) -> None:
-        """Create the table and indexes if missing (idempotent, safe to run from many workers at once).
-
-        Also asks which isolation level the pool's sessions default to: under REPEATABLE READ or
-        SERIALIZABLE, concurrent claims of one key would fail with serialization errors, so each
-        statement then runs in a READ COMMITTED transaction.
-        """
-        pool = await self._get_pool()
-        try:
-            async with pool.acquire(timeout=self.timeout) as conn:
-                self._runner.isolate = (await probe(conn, self.timeout)).isolation != "read committed"
-                await self._create(conn)
-        except (*_UNAVAILABLE, asyncpg.PostgresError) as exc:
-            raise wrapped(exc, self.table) from exc
 
     def _id(self, key: RecordKey) -> tuple[str, str, str]:
         """The row's (namespace, scope, key) columns: the raw values, or the digest alone."""
@@ -295,29 +182,6 @@ class PostgresBackend(ClosingMixin):
         if self.key_seal is None or key.hidden or key.stored_raw or self.store_keys:
             return None
         return self.key_seal.seal(key)
-
-    async def hash_stored_keys(self, batch_size: int = 1000) -> tuple[int, int]:
-        """Rewrite rows that hold a raw scope and key (written by 0.1.0, or by `store_keys=True`) to
-        the digest alone, in batches of short statements; `idem-asgi migrate` runs it. Rewrites
-        nothing while an app with `store_keys=True` is recorded in the table (`raw_keys_recorded`),
-        so it never hides a row from an app that looks it up raw. Returns (rewritten, left): a row
-        whose digest row already exists (claimed again by a newer version meanwhile) is left as it
-        is, to expire with its TTL."""
-        return await _postgres_keys.hash_stored_keys(self, batch_size)
-
-    async def record_raw_keys(self) -> None:
-        """Record in the table that an app looks rows up by raw keys (`store_keys=True` does it before
-        its first write; `idem-asgi migrate --store-keys` too), so `migrate` keeps them."""
-        await _postgres_keys.record_raw_keys(self)
-        self._raw_recorded = True
-
-    async def raw_keys_recorded(self) -> float | None:
-        """When an app with `store_keys=True` last recorded that it uses this table, or None."""
-        return await _postgres_keys.raw_keys_recorded(self)
-
-    async def forget_raw_keys(self) -> None:
-        """Drop that record (`idem-asgi migrate --no-store-keys`, once no such worker runs)."""
-        await _postgres_keys.forget_raw_keys(self)
 
     async def _claim(self, key: RecordKey, fingerprint: bytes, lease: float, ttl: float, token: int) -> ClaimResult:
         pool = await self._get_pool()

@@ -19,7 +19,7 @@ from typing import Any, Final
 
 from redis.asyncio.connection import Connection, UnixDomainSocketConnection
 
-from ..errors import ConfigurationError
+from ...errors import ConfigurationError
 
 HONOURED: Final = frozenset(
     {"host", "port", "path", "db", "username", "password", "socket_timeout", "socket_connect_timeout"}

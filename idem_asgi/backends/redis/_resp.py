@@ -38,19 +38,14 @@ from urllib.parse import urlparse
 
 import hiredis
 from redis import exceptions as redis_errors
-from redis._parsers.base import BaseParser
 
-from ._redis_url import lean_settings
+from ._replies import error as _error
+from ._url import lean_settings
 
 
 def _pack(args: tuple[Any, ...]) -> bytes:
     packed: bytes = hiredis.pack_command(args)
     return packed
-
-
-def _error(reply: hiredis.ReplyError) -> Exception:
-    exc: Exception = BaseParser.parse_error(str(reply))  # type: ignore[no-untyped-call]
-    return exc
 
 
 class _Protocol(asyncio.Protocol):
@@ -240,7 +235,7 @@ class RespPool:
         cls, url: str, *, timeout: float, max_connections: int = 256, options: dict[str, Any] | None = None
     ) -> RespPool | None:
         """A pool for a `redis://` or `unix://` URL (and `options`, as `redis.asyncio.Redis.from_url` takes
-        them), or None when it needs more than we support. redis-py parses both (see `_redis_url`)."""
+        them), or None when it needs more than we support. redis-py parses both (see `_url`)."""
         from redis.asyncio.connection import ConnectionPool
 
         if urlparse(url).scheme not in ("redis", "unix"):
@@ -251,7 +246,7 @@ class RespPool:
     def from_client(cls, client: Any, *, timeout: float, max_connections: int = 256) -> RespPool | None:
         """A pool with the address and credentials of a user's `redis.asyncio.Redis`, or None when
         its connections need more than we support (TLS, RESP3, a credential provider, a client
-        name, a custom connection class or pool such as Sentinel's: see `_redis_url.lean_settings`).
+        name, a custom connection class or pool such as Sentinel's: see `_url.lean_settings`).
 
         The pool opens its own connections (at most `max_connections`, or the client pool's own
         limit if lower); the client itself is left untouched. Calls are bounded by the client's

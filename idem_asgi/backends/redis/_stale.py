@@ -6,11 +6,11 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any, Final
 
-from ..records import IN_PROGRESS, Record, RecordKey, StaleRecord
-from ..sealed_keys import KeySeal, is_sealed, opened
+from ...records import IN_PROGRESS, Record, RecordKey, StaleRecord
+from ...sealed_keys import KeySeal, is_sealed, opened
 
 if TYPE_CHECKING:
-    from .redis import RedisBackend
+    from ._tools import Tools
 
 _STALE_FIELDS: Final = ("s", "f", "t", "l", "e", "n", "o", "k", "x")
 _DIGEST: Final = re.compile(rb"[0-9a-f]{64}")
@@ -20,16 +20,16 @@ def _text(raw: bytes | None) -> str:
     return "?" if raw is None else raw.decode("utf-8", "surrogateescape")
 
 
-def _glob_escape(text: str) -> str:
+def glob_escape(text: str) -> str:
     return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
 async def scan_stale(
-    store: RedisBackend, older_than: float, limit: int, namespace: str | None, scan_count: int
+    store: Tools, older_than: float, limit: int, namespace: str | None, scan_count: int
 ) -> list[StaleRecord]:
     """See `RedisBackend.stale`."""
     client = store.client
-    pattern = _glob_escape(store.prefix) + "{*}"
+    pattern = glob_escape(store.prefix) + "{*}"
     skip = len(store.prefix.encode("utf-8", "surrogateescape")) + 1
     found: list[StaleRecord] = []
     async with store._tool_call():

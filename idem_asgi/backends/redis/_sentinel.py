@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from ..errors import ConfigurationError
+from ...errors import ConfigurationError
 
 
 def parse(url: str) -> tuple[list[tuple[str, int]], str, int, dict[str, Any]]:
