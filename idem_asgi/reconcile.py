@@ -35,8 +35,9 @@ import msgspec
 
 from ._logging import redact
 from .backends._protocol import Backend, Maintenance
+from .claims.recovery import Verdict, resolve
 from .errors import ConfigurationError
-from .records import IN_PROGRESS, Claimed, Record, RecordKey, StaleRecord, StoredResponse
+from .records import Record, RecordKey, StaleRecord, StoredResponse
 from .transform import AnswerTransform, seal
 
 __all__ = [
@@ -255,6 +256,14 @@ async def _resolve_one(
         return "error", f"store failed: {type(exc).__name__}: {redact(str(exc))}"
 
 
+_SAID: dict[Verdict, tuple[Action, str]] = {
+    "released": ("released", "released; the next retry runs it"),
+    "gone": ("skipped", "gone since it was listed (released, completed or expired)"),
+    "changed": ("skipped", "changed since it was listed"),
+    "committed": ("skipped", "its effect committed (transaction()); never released"),
+}
+
+
 async def _apply(
     backend: ReconcilableBackend,
     s: StaleRecord,
@@ -263,35 +272,13 @@ async def _apply(
     ttl: float,
     lease: float,
 ) -> tuple[Action, str]:
-    key, record = s.key, s.record
-    if s.effect_committed:
-        # Such a claim cannot be taken over (that could run the effect again), so its answer is
-        # written under the holder's own token, if the claim is still exactly as listed.
+    """Write the outcome through the one recovery algorithm (`claims.recovery`), fenced by the
+    listed token: a claim completed, released, renewed or taken over since is left alone."""
+    verdict, _ = await resolve(backend, s.key, s.record, outcome, lease=lease, ttl=ttl)
+    if verdict == "completed":
         assert isinstance(outcome, StoredResponse)
-        current = await backend.get(key)
-        if (
-            current is None
-            or current.state != IN_PROGRESS
-            or current.token != record.token
-            or current.lease_until != record.lease_until
-        ):
-            return "skipped", "changed since it was listed"
-        if await backend.complete(key, record.token, outcome, ttl=ttl):
-            return "completed", f"stored a {outcome.status} answer"
-        return "skipped", "changed since it was listed"
-    # Taking the claim over first checks, atomically and by the store's clock, that the listed
-    # token still holds and its lease is still over, and fences the old holder out for good
-    # should it wake up. Only then is the outcome written, under the new token.
-    taken = await backend.takeover(key, record.token, record.fingerprint, lease=lease, ttl=ttl)
-    if taken is None:
-        return "skipped", "gone since it was listed (released, completed or expired)"
-    if not isinstance(taken, Claimed):
-        return "skipped", "changed since it was listed"
-    if outcome == "release":
-        if await backend.release(key, taken.token):
-            return "released", "released; the next retry runs it"
-        return "error", "taken over, but the release was refused; it will be listed again"
-    assert isinstance(outcome, StoredResponse)
-    if await backend.complete(key, taken.token, outcome, ttl=ttl):
         return "completed", f"stored a {outcome.status} answer"
-    return "error", "taken over, but storing the answer was refused; it will be listed again"
+    if verdict == "refused":
+        what = "the release" if outcome == "release" else "storing the answer"
+        return "error", f"taken over, but {what} was refused; it will be listed again"
+    return _SAID[verdict]

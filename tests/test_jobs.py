@@ -197,7 +197,8 @@ class FailingComplete(Delegating):
 
 async def settled(store: Backend) -> None:
     """Wait until the jobs' background writes to `store` are done."""
-    late = jobs._late.get(store)
+    shared = jobs._shared.get(store)
+    late = shared.late if shared is not None else None
     tasks = set(late._tasks) if late is not None else set()
     if tasks:
         await asyncio.wait(tasks, timeout=5)
