@@ -38,11 +38,11 @@ from .backends import Backend
 from .claims.session import ClaimSession, Runtime
 from .errors import ConfigurationError, IdemError
 from .observe import Observer
-from .records import Claimed, ClaimResult, RecordKey, StoredResponse
+from .records import JOB_MARK, Claimed, ClaimResult, RecordKey, StoredResponse
 
 P = ParamSpec("P")
 R = TypeVar("R")
-_KIND: Final = [(b"content-type", b"application/x-msgpack"), (b"x-idem-job", b"1")]
+_KIND: Final = [(b"content-type", b"application/x-msgpack"), JOB_MARK]
 _encode = msgspec.msgpack.Encoder().encode
 
 
