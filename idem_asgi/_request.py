@@ -32,7 +32,7 @@ from ._asgi import (
     run_unclaimed,
 )
 from ._capture import Capture
-from ._decide import Action
+from ._decide import Action, decide
 from ._logging import redact, throttled
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from .claims.session import ClaimSession, Runtime
@@ -84,8 +84,10 @@ class Protected(ClaimSession):
         try:
             if not await self._prepare():
                 return
-            try:
-                result = await self.claim()
+            route, rkey = self.route, self.rkey
+            assert rkey is not None
+            try:  # (the store's own call, not `self.claim()`: one coroutine less on the hot path)
+                result = await self.rt.store.claim(rkey, self.fingerprint, lease=route.lease, ttl=route.ttl)
             except Exception as exc:
                 await self._claim_failed(exc)  # refuses, or (fail-open) runs the app unclaimed
                 return
@@ -181,6 +183,12 @@ class Protected(ClaimSession):
     async def _act(self, result: ClaimResult) -> None:
         """Decide what the claim's outcome means (waiting, recovering), then run, replay or refuse."""
         route = self.route
+        if isinstance(result, Existing) and decide(result, self.fingerprint) is Action.REPLAY:
+            self.emit("replayed")  # the usual repeat, answered without the core's loop
+            stored = result.record.response
+            assert stored is not None
+            await self._replay(self._opened(stored), result.record.expires_at)
+            return
         try:
             action, outcome = await self.decided(result, self._recover)
         except Refused:
