@@ -292,47 +292,35 @@ class ClaimSession:
         """End without an answer: keep the claim as outcome-unknown (`keep`: the effect may have
         happened), else release it so a retry runs again (unless `release` is False: a cancelled
         request, left to its lease like a crash). Held repeats are told."""
-        if keep:
-            await self._fail(status)
-        elif release:
-            await self._release(status)
+        if keep or release:
+            await self._ending(status, keep=keep)
         self.ended(None)
 
-    async def _release(self, status: int | None) -> None:
-        """Delete the claim (fenced by its token) so a retry runs again."""
+    async def _ending(self, status: int | None, *, keep: bool) -> None:
+        """Delete the claim (fenced by its token) so a retry runs again, or (`keep`) end its lease:
+        outcome-unknown until recovery resolves it. A write the store fails is retried later."""
         rkey, rt = self.rkey, self.rt
         assert rkey is not None
+        store, late = rt.store, rt.late
+        write, retry, doing = (
+            (store.mark_failed, late.mark_failed, "end the lease of")
+            if keep
+            else (store.release, late.release, "release")
+        )
         try:
-            released = await rt.store.release(rkey, self.token)
+            done = await write(rkey, self.token)
         except Exception as exc:
             self.emit("store_error", status)
-            store_failed(f"could not release key {rkey.key!r}; retrying in the background", exc)
-            self._retried(rt.late.release(rt.store, rkey, self.token, self._emitter(status)))
+            store_failed(f"could not {doing} key {rkey.key!r}; retrying in the background", exc)
+            self._retried(retry(store, rkey, self.token, self._emitter(status)))
             return
-        if released:
-            self.emit("released", status)
-        else:
-            logger.warning("idem_asgi: key %r was no longer held by this request; it was not released", rkey.key)
-            self.emit("lease_lost", status)
-
-    async def _fail(self, status: int | None) -> None:
-        """Keep the claim with its lease ended: outcome-unknown until recovery resolves it."""
-        rkey, rt = self.rkey, self.rt
-        assert rkey is not None
-        try:
-            kept = await rt.store.mark_failed(rkey, self.token)
-        except Exception as exc:
-            self.emit("store_error", status)
-            store_failed(f"could not end the lease of key {rkey.key!r}; retrying in the background", exc)
-            self._retried(rt.late.mark_failed(rt.store, rkey, self.token, self._emitter(status)))
-            return
-        if kept:
+        if done and keep:
             logger.warning(
                 "idem_asgi: key %r failed after its answer started or its effect; kept as outcome-unknown", rkey.key
             )
-            self.emit("unresolved", status)
-        else:
-            self.emit("lease_lost", status)
+        elif not done and not keep:
+            logger.warning("idem_asgi: key %r was no longer held by this request; it was not released", rkey.key)
+        self.emit(("unresolved" if keep else "released") if done else "lease_lost", status)
 
     def _emitter(self, status: int | None) -> Callable[[EventName], None]:
         """`emit` for a write made later (idem_asgi._late_writes), with this claim's key and status."""
