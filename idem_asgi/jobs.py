@@ -18,6 +18,7 @@ unknown), as on HTTP. While a job runs, `current_idempotency()` holds its claim,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
@@ -125,8 +126,17 @@ async def claim(
     `job.result` (stored bytes, for a repeat), or run and `job.store(value)`. `observer` gets the
     same `Event`s as the middleware's, with the namespace as their `route`. Inside the block
     `current_job()` and `current_idempotency()` hold the claim, and its lease is renewed."""
-    session = JobClaim(_runtime(backend, observer), JobTerms(namespace, lease, ttl, wait))
-    session.rkey = RecordKey.build(namespace, scope, key)
+    async with _claimed(
+        _runtime(backend, observer), JobTerms(namespace, lease, ttl, wait), key, scope, fingerprint
+    ) as job:
+        yield job
+
+
+@contextlib.asynccontextmanager
+async def _claimed(rt: Runtime, terms: JobTerms, key: str, scope: str | None, fingerprint: bytes) -> AsyncIterator[Job]:
+    """`claim`, driving the core: a repeat's `Job`, or the running one's under a renewed lease."""
+    session = JobClaim(rt, terms)
+    session.rkey = RecordKey.build(terms.label, scope, key)
     session.fingerprint = fingerprint
     action, outcome = await session.decided(await session.claim(), None)
     if action is not Action.RUN:
@@ -291,44 +301,53 @@ def idempotent(
     names = tuple(args)
     if (key is None) == (not names):
         raise ConfigurationError("idempotent needs exactly one of key=callable or args=[argument names]")
+    compared = None if fingerprint is None else tuple(fingerprint)
+    spec = _Spec(backend, key, names, compared, scope, namespace, JobTerms("", lease, ttl, wait), observer)
+    return functools.partial(_decorate, spec)
 
-    def decorate(func: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
-        signature = checked_function(func, names)
-        returns = checked_returns(func)
-        compared = None if fingerprint is None else tuple(fingerprint)
-        decode = _decoder(returns).decode
-        space = namespace if namespace is not None else default_namespace(func)
 
-        @functools.wraps(func)
-        async def run(*a: P.args, **kw: P.kwargs) -> R:
-            bound = signature.bind(*a, **kw)
-            bound.apply_defaults()
-            values = bound.arguments
-            the_key = key(*a, **kw) if key is not None else args_key(values, names)
-            owner = scope(*a, **kw) if scope is not None else None
-            picked = values if compared is None else {n: values[n] for n in compared}
-            async with claim(
-                backend,
-                the_key,
-                fingerprint=_job_args.fingerprint(picked),
-                namespace=space,
-                scope=owner,
-                ttl=ttl,
-                lease=lease,
-                wait=wait,
-                observer=observer,
-            ) as job:
-                if job.done:
-                    assert job.result is not None
-                    return decode(job.result)  # type: ignore[no-any-return]
-                value = await func(*a, **kw)
-                await job.store(value, returns=returns)
-                return value
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    """What `@idempotent(...)` was given, for `_decorate`."""
 
-        run.namespace = space  # type: ignore[attr-defined]
-        return run
+    backend: Backend
+    key: Callable[..., str] | None
+    names: tuple[str, ...]
+    compared: tuple[str, ...] | None
+    scope: Callable[..., str | None] | None
+    namespace: str | None
+    terms: JobTerms  # its label (the namespace) is filled in per function
+    observer: Observer | None
 
-    return decorate
+
+def _decorate(spec: _Spec, func: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
+    """The checks made at decoration, and the wrapper that claims, runs and stores."""
+    signature = checked_function(func, spec.names)
+    returns = checked_returns(func)
+    decode = _decoder(returns).decode
+    space = spec.namespace if spec.namespace is not None else default_namespace(func)
+    terms = dataclasses.replace(spec.terms, label=space)
+    key, names, compared, scope = spec.key, spec.names, spec.compared, spec.scope
+
+    @functools.wraps(func)
+    async def run(*a: P.args, **kw: P.kwargs) -> R:
+        bound = signature.bind(*a, **kw)
+        bound.apply_defaults()
+        values = bound.arguments
+        the_key = key(*a, **kw) if key is not None else args_key(values, names)
+        owner = scope(*a, **kw) if scope is not None else None
+        picked = values if compared is None else {n: values[n] for n in compared}
+        rt = _runtime(spec.backend, spec.observer)
+        async with _claimed(rt, terms, the_key, owner, _job_args.fingerprint(picked)) as job:
+            if job.done:
+                assert job.result is not None
+                return decode(job.result)  # type: ignore[no-any-return]
+            value = await func(*a, **kw)
+            await job.store(value, returns=returns)
+            return value
+
+    run.namespace = space  # type: ignore[attr-defined]
+    return run
 
 
 def current_job() -> JobClaim | None:

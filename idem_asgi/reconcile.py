@@ -191,12 +191,7 @@ async def reconcile(
             action, detail = await _resolve_one(
                 backend, resolve, s, ttl=ttl, lease=lease, dry_run=dry_run, transform=transform
             )
-        k = s.key
-        report.count(
-            ReconcileItem(k.namespace, k.scope, k.key, s.record.token, s.record.lease_until, action, detail, k.digest)
-        )
-        log = logger.warning if action == "error" else logger.info
-        log("idem_asgi: reconcile %s key=%r scope=%r: %s %s", k.namespace, k.key, k.scope, action, detail)
+        _count(report, s, action, detail)
 
     told = _DRY_RUN.set(dry_run)  # the resolvers' tasks inherit it: `is_dry_run()`
     try:
@@ -208,6 +203,15 @@ async def reconcile(
     # Items are appended as they finish: put them back in listing order (oldest lease first).
     report.items.sort(key=lambda item: item.lease_until)
     return report
+
+
+def _count(report: ReconcileReport, s: StaleRecord, action: Action, detail: str) -> None:
+    k = s.key
+    report.count(
+        ReconcileItem(k.namespace, k.scope, k.key, s.record.token, s.record.lease_until, action, detail, k.digest)
+    )
+    log = logger.warning if action == "error" else logger.info
+    log("idem_asgi: reconcile %s key=%r scope=%r: %s %s", k.namespace, k.key, k.scope, action, detail)
 
 
 async def _resolve_one(
