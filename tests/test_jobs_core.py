@@ -10,12 +10,15 @@ import uuid
 
 import pytest
 
+from idem_asgi import current_idempotency
 from idem_asgi.backends import Backend, MemoryBackend
 from idem_asgi.consumers import Settle, apply_once
 from idem_asgi.errors import ConfigurationError
-from idem_asgi.jobs import InProgress, OutcomeUnknown, claim, idempotent, stored_result
+from idem_asgi.jobs import InProgress, OutcomeUnknown, claim, current_job, idempotent, stored_result
+from idem_asgi.observe import Counters
 from idem_asgi.reconcile import reconcile
 from idem_asgi.records import Claimed, Existing, RecordKey, StaleRecord
+from tests.support.stores import Counting
 
 
 def fresh() -> str:
@@ -51,6 +54,46 @@ async def test_a_job_running_past_its_lease_keeps_its_claim_while_a_repeat_arriv
     assert await first == "ch_o1"
     assert await waited == "ch_o1"
     assert runs == ["o1"]
+
+
+async def test_repeats_of_a_job_running_in_this_process_are_handed_its_result(backend: Backend) -> None:
+    """Held 1 s, five waiting repeats make one claim each and no more (no polling): the running
+    call hands them its result. Its lease renewal is observed as the middleware's is."""
+    store, namespace, runs, events = Counting(backend), fresh(), [], Counters()
+    gate, entered = asyncio.Event(), asyncio.Event()
+
+    @idempotent(store, args=["order_id"], namespace=namespace, lease=0.3, wait=10, observer=events)
+    async def charge(order_id: str) -> str:
+        runs.append(order_id)
+        entered.set()
+        await gate.wait()
+        return f"ch_{order_id}"
+
+    first = asyncio.create_task(charge("o1"))
+    await asyncio.wait_for(entered.wait(), 5)
+    repeats = [asyncio.create_task(charge("o1")) for _ in range(5)]
+    await asyncio.sleep(1.0)
+    assert store.calls["claim"] == 6 and store.calls["get"] == 0, store.calls
+    gate.set()
+    assert await first == "ch_o1"
+    assert await asyncio.gather(*repeats) == ["ch_o1"] * 5
+    assert runs == ["o1"]
+    assert store.calls["claim"] == 6, "handed over: nobody asked the store again"
+    assert events["lease_extended"] >= 2 and events["replayed"] == 5
+    assert events["claimed"] == 1 and events["completed"] == 1
+
+
+async def test_a_consumer_handler_runs_inside_its_claim(backend: Backend) -> None:
+    namespace, seen = fresh(), []
+
+    async def run() -> None:
+        info = current_idempotency()
+        held = current_job()
+        seen.append((info is not None and info.claim is held and held is not None and held.active, info and info.key))
+
+    assert await apply_once(backend, "m7", b"{}", run, namespace=namespace, ttl=60, lease=5, wait=0) is Settle.ACK
+    assert seen == [(True, "m7")]
+    assert current_idempotency() is None
 
 
 # --- a job's scope is part of its key -----------------------------------------------------------
