@@ -169,6 +169,7 @@ async def test_observers_see_each_decision_with_the_namespace_as_route(backend: 
         ("released", namespace),
         ("claimed", namespace),
         ("unresolved", namespace),
+        ("expired", namespace),  # as on HTTP: the lease is over, then its outcome is unknown
         ("outcome_unknown", namespace),
     ]
     assert {k for *_, k in events} == {"order_id=o1", "order_id=o2", "order_id=o3"}

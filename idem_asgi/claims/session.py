@@ -158,6 +158,7 @@ class ClaimSession:
                 if recovered:  # somebody else is resolving it
                     self.emit("conflict")
                     return Action.IN_PROGRESS, result
+                self.emit("expired")  # nothing to recover it with: its outcome is unknown
                 return Action.EXPIRED, result
             else:
                 if action is not Action.RUN or self.rt.observer is not None:
