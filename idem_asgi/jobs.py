@@ -39,7 +39,7 @@ from .backends import Backend
 from .claims.session import ClaimSession, Runtime
 from .errors import ConfigurationError, IdemError
 from .observe import Observer
-from .records import JOB_MARK, Claimed, ClaimResult, RecordKey, StoredResponse
+from .records import JOB_MARK, Claimed, ClaimResult, Existing, RecordKey, StoredResponse
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -165,9 +165,10 @@ def _repeat(session: JobClaim, action: Action, outcome: ClaimResult | StoredResp
     """The stored result of a completed first call, or the typed refusal for every other state."""
     key = session.key.key
     if action is Action.REPLAY:
-        answer = outcome if isinstance(outcome, StoredResponse) else outcome.record.response  # type: ignore[union-attr]
-        assert answer is not None
-        return answer.body
+        if isinstance(outcome, StoredResponse):  # handed over by the call running in this process
+            return outcome.body
+        assert isinstance(outcome, Existing) and outcome.record.response is not None
+        return outcome.record.response.body
     if action is Action.MISMATCH:
         raise KeyReused(f"job key {key!r} was used before with other arguments")
     if action is Action.IN_PROGRESS:
