@@ -32,7 +32,7 @@ Call = Callable[[], Awaitable[Any]]
 async def resp_pool(url: str) -> tuple[Call, Callable[[], Awaitable[None]]]:
     from idem_asgi.backends.redis._resp import RespPool
 
-    pool = RespPool.from_url(url, timeout=2.0, max_connections=64)
+    pool = RespPool.from_url(url, timeout=2.0, max_connections=512)
     if pool is None:
         raise SystemExit(f"{url}: not a URL the lean pool takes")
     script = pool.script(SCRIPT)
@@ -42,7 +42,7 @@ async def resp_pool(url: str) -> tuple[Call, Callable[[], Awaitable[None]]]:
 async def redis_py(url: str) -> tuple[Call, Callable[[], Awaitable[None]]]:
     import redis.asyncio as aioredis
 
-    client = aioredis.Redis.from_url(url, max_connections=64)
+    client = aioredis.Redis.from_url(url, max_connections=512)
     script = client.register_script(SCRIPT)
     return (lambda: script(keys=[KEY], args=["1"])), client.aclose
 
@@ -50,7 +50,7 @@ async def redis_py(url: str) -> tuple[Call, Callable[[], Awaitable[None]]]:
 async def coredis_client(url: str) -> tuple[Call, Callable[[], Awaitable[None]]]:
     import coredis  # type: ignore[import-not-found,unused-ignore]
 
-    client = coredis.Redis.from_url(url, max_connections=64)
+    client = coredis.Redis.from_url(url, max_connections=512)
     await client.__aenter__()  # coredis 6 opens its pool in its context
     script = client.register_script(SCRIPT)
 

@@ -2,16 +2,20 @@
 
 - Not an `async def` function: a sync function's body would run, then fail on `await` (the claim
   released, so every retry runs it again); a generator has no single result to store.
-- A default namespace that is not the same in every process: `__main__` (the module is
-  `__main__` when run as a script and `job` when imported: one key, two runs), a function defined
-  inside another (`<locals>`: every function a wrapper without `functools.wraps` returns shares its
-  qualified name), a name that is not its code's, or one another function already uses.
+- A default namespace that is not the same in every process, or not one function's:
+  `__main__` (the module is `__main__` when run as a script and `job` when imported: one key, two
+  runs), a function defined inside another (`<locals>`: every function a wrapper without
+  `functools.wraps` returns shares its qualified name), a name that is not its code's, a
+  `functools.partial` (no name of its own: two partials of one function would share it), one
+  another function already uses, and so one of several functions made by one `def` in a loop.
 - A return annotation msgspec cannot encode and decode: every repeat would fail to decode it.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, get_type_hints
 
@@ -20,12 +24,24 @@ import msgspec.inspect as mi
 
 from .errors import ConfigurationError
 
-_spaces: dict[str, tuple[str, int]] = {}  # default namespace -> where its function is defined
+_spaces: dict[str, tuple[str, int, Any, weakref.ref[Any]]] = {}
+"""Default namespace -> where its function is defined, its code, and the function."""
+
+
+def _target(func: Callable[..., Any]) -> Callable[..., Any]:
+    """The function a `functools.partial` calls (its annotations are that function's)."""
+    while isinstance(func, functools.partial):
+        func = func.func
+    return func
+
+
+def _name(func: Callable[..., Any]) -> str:
+    return getattr(_target(func), "__qualname__", None) or repr(func)
 
 
 def checked_function(func: Callable[..., Any], names: tuple[str, ...]) -> inspect.Signature:
     """`func`'s signature, once it is known to be an `async def` function with the `args=` names."""
-    what = getattr(func, "__qualname__", repr(func))
+    what = _name(func)
     if inspect.isasyncgenfunction(func) or inspect.isgeneratorfunction(func):
         raise ConfigurationError(f"idempotent: {what} is a generator; it has no single result to store")
     if not inspect.iscoroutinefunction(func):
@@ -43,16 +59,14 @@ def checked_function(func: Callable[..., Any], names: tuple[str, ...]) -> inspec
 def checked_returns(func: Callable[..., Any]) -> Any:
     """`func`'s return annotation (Any without one), once msgspec can encode and decode it."""
     try:
-        returns = get_type_hints(func).get("return", Any)
+        returns = get_type_hints(_target(func)).get("return", Any)
         msgspec.msgpack.Decoder(returns)
         custom = next(_custom_types(mi.type_info(returns), set()), None)
     except (NameError, TypeError) as exc:
-        raise ConfigurationError(
-            f"idempotent: the return annotation of {func.__qualname__} is not usable: {exc}"
-        ) from None
+        raise ConfigurationError(f"idempotent: the return annotation of {_name(func)} is not usable: {exc}") from None
     if custom is not None:
         raise ConfigurationError(
-            f"idempotent: {func.__qualname__} returns {custom.__qualname__}, which msgspec cannot store; "
+            f"idempotent: {_name(func)} returns {custom.__qualname__}, which msgspec cannot store; "
             "return a msgspec.Struct, a dataclass or builtin types"
         )
     return returns
@@ -76,9 +90,14 @@ def _custom_types(t: mi.Type, seen: set[int]) -> Iterator[type]:
 
 def default_namespace(func: Callable[..., Any]) -> str:
     """`jobs:<module>.<qualified name>`, refused unless every process would compute the same."""
+    fix = 'pass namespace="..." (a name that stays the same: "jobs:charge")'
+    if isinstance(func, functools.partial):
+        raise ConfigurationError(
+            f"idempotent: a functools.partial of {_name(func)} has no name of its own (two partials of one "
+            f"function would share one key space); {fix}"
+        )
     module, qualname = getattr(func, "__module__", None), getattr(func, "__qualname__", None)
     code = getattr(inspect.unwrap(func), "__code__", None)
-    fix = 'pass namespace="..." (a name that stays the same: "jobs:charge")'
     if module is None or qualname is None or code is None:
         raise ConfigurationError(f"idempotent: {func!r} has no stable name for a default namespace; {fix}")
     space = f"jobs:{module}.{qualname}"
@@ -94,10 +113,26 @@ def default_namespace(func: Callable[..., Any]) -> str:
         )
     if not hasattr(func, "__wrapped__") and code.co_name != getattr(func, "__name__", None):
         raise ConfigurationError(f"idempotent: {qualname} is named apart from its code ({code.co_name}); {fix}")
-    where = (code.co_filename, code.co_firstlineno)
-    if _spaces.setdefault(space, where) != where:
-        raise ConfigurationError(
-            f"idempotent: the default namespace {space!r} is already used by another function "
-            f"({_spaces[space][0]}:{_spaces[space][1]}); {fix}"
-        )
+    _claim_space(space, func, code, fix)
     return space
+
+
+def _claim_space(space: str, func: Callable[..., Any], code: Any, fix: str) -> None:
+    """Refuse `space` when another live function has it: defined elsewhere, or by the same `def`
+    (a loop: one code, several functions). The same function again (another store) and a module
+    reloaded (new code at the same place) keep it."""
+    where = (code.co_filename, code.co_firstlineno)
+    known = _spaces.get(space)
+    if known is not None:
+        if known[:2] != where:
+            raise ConfigurationError(
+                f"idempotent: the default namespace {space!r} is already used by another function "
+                f"({known[0]}:{known[1]}); {fix}"
+            )
+        earlier = known[3]()
+        if known[2] is code and earlier is not None and earlier is not func:
+            raise ConfigurationError(
+                f"idempotent: {space!r} is the default namespace of several functions made by one `def` "
+                f"(decorated in a loop: one key space for all of them); {fix}"
+            )
+    _spaces[space] = (*where, code, weakref.ref(func))

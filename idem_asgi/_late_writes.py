@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Final, NamedTuple
 
 from .backends import Backend
@@ -68,13 +69,22 @@ _FAIL = _Kind(
 )
 
 
+class _Write(NamedTuple):
+    """One write to retry: to the store its claim was made in, fenced by its token."""
+
+    backend: Backend
+    key: RecordKey
+    token: int
+    call: Callable[[], Awaitable[bool]]
+
+
 class LateWrites:
-    """The writes being retried by one middleware; one task each, bounded in bytes."""
+    """The writes being retried for one surface (a middleware, one store's jobs); one task each,
+    bounded in bytes. A pending write holds its store until it lands or gives up."""
 
-    __slots__ = ("_backend", "_pending_bytes", "_tasks")
+    __slots__ = ("_pending_bytes", "_tasks")
 
-    def __init__(self, backend: Callable[[], Backend]) -> None:
-        self._backend = backend  # looked up at each attempt: the store may be wrapped later (testing)
+    def __init__(self) -> None:
         self._pending_bytes = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -83,33 +93,28 @@ class LateWrites:
         """How many writes are still being retried."""
         return len(self._tasks)
 
-    def complete(self, key: RecordKey, token: int, response: StoredResponse, ttl: float, emit: Emit) -> bool:
+    def complete(
+        self, backend: Backend, key: RecordKey, token: int, response: StoredResponse, ttl: float, emit: Emit
+    ) -> bool:
         """Retry storing `response`; False when the memory bound is reached (nothing is retried then)."""
         size = len(response.body) + sum(len(k) + len(v) for k, v in response.headers)
-        return self._start(_COMPLETE, key, token, size, emit, lambda b: b.complete(key, token, response, ttl=ttl))
+        write = partial(backend.complete, key, token, response, ttl=ttl)
+        return self._start(_COMPLETE, _Write(backend, key, token, write), size, emit)
 
-    def release(self, key: RecordKey, token: int, emit: Emit) -> bool:
+    def release(self, backend: Backend, key: RecordKey, token: int, emit: Emit) -> bool:
         """Retry releasing the claim, so a retry of the request runs again."""
-        return self._start(_RELEASE, key, token, 0, emit, lambda b: b.release(key, token))
+        return self._start(_RELEASE, _Write(backend, key, token, partial(backend.release, key, token)), 0, emit)
 
-    def mark_failed(self, key: RecordKey, token: int, emit: Emit) -> bool:
+    def mark_failed(self, backend: Backend, key: RecordKey, token: int, emit: Emit) -> bool:
         """Retry ending the lease of a claim whose holder failed mid-answer (outcome-unknown)."""
-        return self._start(_FAIL, key, token, 0, emit, lambda b: b.mark_failed(key, token))
+        return self._start(_FAIL, _Write(backend, key, token, partial(backend.mark_failed, key, token)), 0, emit)
 
-    def _start(
-        self,
-        kind: _Kind,
-        key: RecordKey,
-        token: int,
-        size: int,
-        emit: Emit,
-        write: Callable[[Backend], Awaitable[bool]],
-    ) -> bool:
+    def _start(self, kind: _Kind, write: _Write, size: int, emit: Emit) -> bool:
         size += OVERHEAD
         if self._pending_bytes + size > MAX_PENDING_BYTES:
             return False
         self._pending_bytes += size
-        task = asyncio.get_running_loop().create_task(self._run(kind, key, token, emit, write))
+        task = asyncio.get_running_loop().create_task(self._run(kind, write, emit))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         task.add_done_callback(lambda _: self._free(size))
@@ -118,17 +123,15 @@ class LateWrites:
     def _free(self, size: int) -> None:
         self._pending_bytes -= size
 
-    async def _run(
-        self, kind: _Kind, key: RecordKey, token: int, emit: Emit, write: Callable[[Backend], Awaitable[bool]]
-    ) -> None:
+    async def _run(self, kind: _Kind, write: _Write, emit: Emit) -> None:
+        backend, key, token = write.backend, write.key, write.token
         loop = asyncio.get_running_loop()
         deadline = loop.time() + WINDOW
         delay = _FIRST_DELAY
         while True:
             await asyncio.sleep(delay)
             try:
-                backend = self._backend()
-                done = await write(backend) or kind.landed(await backend.get(key), token)
+                done = await write.call() or kind.landed(await backend.get(key), token)
             except Exception as exc:
                 delay = min(delay * 2, _MAX_DELAY)
                 if loop.time() + delay < deadline:

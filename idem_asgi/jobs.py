@@ -17,42 +17,42 @@ unknown), as on HTTP. While a job runs, `current_idempotency()` holds its claim,
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import dataclasses
 import functools
-import logging
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
-from typing import Any, Final, ParamSpec, TypeVar
+from dataclasses import dataclass
+from typing import Any, Final, NamedTuple, ParamSpec, TypeVar
 
 import anyio
 import msgspec
 
 from . import _job_args, context
-from ._decide import Action, decide
+from ._decide import Action
 from ._job_args import args_key
 from ._job_checks import checked_function, checked_returns, default_namespace
 from ._late_writes import LateWrites
+from ._leases import Leases
+from ._waiting import Waiters
 from .backends import Backend
+from .claims.session import ClaimSession, Runtime
 from .errors import ConfigurationError
 from .errors import InProgress as InProgress  # re-exported: public imports from idem_asgi.jobs keep working
 from .errors import JobError as JobError
 from .errors import KeyReused as KeyReused
 from .errors import OutcomeUnknown as OutcomeUnknown
 from .errors import ResultNotStorable as ResultNotStorable
-from .observe import Event, EventName, Observer
-from .records import Claimed, Existing, RecordKey, StoredResponse
+from .observe import Observer
+from .records import JOB_MARK, Claimed, ClaimResult, Existing, RecordKey, StoredResponse
 
 P = ParamSpec("P")
 R = TypeVar("R")
-_KIND: Final = [(b"content-type", b"application/x-msgpack"), (b"x-idem-job", b"1")]
+_KIND: Final = [(b"content-type", b"application/x-msgpack"), JOB_MARK]
 _encode = msgspec.msgpack.Encoder().encode
-logger = logging.getLogger("idem_asgi")
-_late: weakref.WeakKeyDictionary[Backend, LateWrites] = weakref.WeakKeyDictionary()
-"""Per store, the job results whose completion write failed, written again in the background."""
 
 
-class JobClaim(context.HeldClaim):
+class JobClaim(ClaimSession):
     """What the running call holds: its key, and `mark_effect()` for after an irreversible effect."""
 
     __slots__ = ()
@@ -60,8 +60,37 @@ class JobClaim(context.HeldClaim):
     @property
     def key(self) -> RecordKey:
         """The record's key (`key.key` is the job's key, to forward to a provider)."""
-        assert self._rkey is not None
-        return self._rkey
+        assert self.rkey is not None
+        return self.rkey
+
+
+@dataclass(frozen=True, slots=True)
+class JobTerms:
+    """A job's claim terms; its events name the namespace as their route."""
+
+    label: str
+    lease: float
+    ttl: float
+    wait: float
+
+
+class _Shared(NamedTuple):
+    """What the jobs of one store share: one lease renewer, one late-write retrier, the repeats held."""
+
+    leases: Leases
+    late: LateWrites
+    waiters: Waiters
+
+
+_shared: weakref.WeakKeyDictionary[Backend, _Shared] = weakref.WeakKeyDictionary()
+"""Per store (held weakly: nothing here refers back to it)."""
+
+
+def _runtime(backend: Backend, observer: Observer | None) -> Runtime:
+    shared = _shared.get(backend)
+    if shared is None:
+        shared = _shared[backend] = _Shared(Leases(3600.0), LateWrites(), Waiters())  # ticks at lease / 3
+    return Runtime(backend, shared.leases, shared.late, shared.waiters, observer)
 
 
 @contextlib.asynccontextmanager
@@ -80,111 +109,83 @@ async def claim(
     """The context-manager form: `async with claim(backend, "k") as job:` then `job.done` and
     `job.result` (stored bytes, for a repeat), or run and `job.store(value)`. `observer` gets the
     same `Event`s as the middleware's, with the namespace as their `route`. Inside the block
-    `current_job()` and `current_idempotency()` hold the claim."""
-    rkey = RecordKey.build(namespace, scope, key)
+    `current_job()` and `current_idempotency()` hold the claim, and its lease is renewed."""
+    async with _claimed(
+        _runtime(backend, observer), JobTerms(namespace, lease, ttl, wait), key, scope, fingerprint
+    ) as job:
+        yield job
 
-    def emit(name: EventName) -> None:
-        if observer is not None:
-            _notify(observer, Event(name, namespace, key, scope or None))
 
-    result = await _claimed(backend, rkey, fingerprint, lease=lease, ttl=ttl, wait=wait)
-    if isinstance(result, Existing):
-        yield Job(backend, rkey, None, ttl, _repeat(result, fingerprint, key, emit), emit)
+@contextlib.asynccontextmanager
+async def _claimed(rt: Runtime, terms: JobTerms, key: str, scope: str | None, fingerprint: bytes) -> AsyncIterator[Job]:
+    """`claim`, driving the core: a repeat's `Job`, or the running one's under a renewed lease."""
+    session = JobClaim(rt, terms)
+    session.rkey = RecordKey.build(terms.label, scope, key)
+    session.fingerprint = fingerprint
+    action, outcome = await session.decided(await session.claim(), None)
+    if action is not Action.RUN:
+        yield Job(session, _repeat(session, action, outcome))
         return
-    emit("claimed")
-    held = JobClaim(backend, rkey, result.token)
-    job = Job(backend, rkey, held, ttl, None, emit)
-    renewal = asyncio.get_running_loop().create_task(_renew(backend, rkey, result.token, lease))
-    current = context.enter(context.IdempotencyInfo(key, scope or None, held))
+    assert isinstance(outcome, Claimed)
+    session.begin(outcome.token)
+    job = Job(session, None)
+    current = context.enter(context.IdempotencyInfo(key, scope or None, session))
     try:
         yield job
     except BaseException:
         with anyio.CancelScope(shield=True):
-            await _settle(backend, job, emit)
+            await _settle(job)
         raise
     finally:
-        renewal.cancel()
-        held.active = False
+        if session.active:
+            session.stop()
         with contextlib.suppress(ValueError):  # left in another context than entered: nothing to restore here
             context.leave(current)
     with anyio.CancelScope(shield=True):
-        await _settle(backend, job, emit)
+        await _settle(job)
 
 
-async def _claimed(
-    backend: Backend, rkey: RecordKey, fingerprint: bytes, *, lease: float, ttl: float, wait: float
-) -> Claimed | Existing:
-    """Claim `rkey`; while another call holds it, ask again for up to `wait` seconds."""
-    result = await backend.claim(rkey, fingerprint, lease=lease, ttl=ttl)
-    with anyio.move_on_after(wait):
-        delay = 0.01
-        while isinstance(result, Existing) and decide(result, fingerprint) is Action.IN_PROGRESS:
-            await anyio.sleep(delay)
-            delay = min(delay * 2, 0.25)
-            result = await backend.claim(rkey, fingerprint, lease=lease, ttl=ttl)
-    return result
-
-
-def _repeat(result: Existing, fingerprint: bytes, key: str, emit: Callable[[EventName], None]) -> bytes:
+def _repeat(session: JobClaim, action: Action, outcome: ClaimResult | StoredResponse) -> bytes:
     """The stored result of a completed first call, or the typed refusal for every other state."""
-    action = decide(result, fingerprint)
-    if action is Action.REPLAY and result.record.response is not None:
-        emit("replayed")
-        return result.record.response.body
+    key = session.key.key
+    if action is Action.REPLAY:
+        if isinstance(outcome, StoredResponse):  # handed over by the call running in this process
+            return outcome.body
+        assert isinstance(outcome, Existing) and outcome.record.response is not None
+        return outcome.record.response.body
     if action is Action.MISMATCH:
-        emit("mismatch")
         raise KeyReused(f"job key {key!r} was used before with other arguments")
     if action is Action.IN_PROGRESS:
-        emit("conflict")
         raise InProgress(f"job key {key!r} is still running")
-    emit("outcome_unknown")
+    if action is Action.EXPIRED:
+        session.emit("outcome_unknown")
     raise OutcomeUnknown(f"job key {key!r}: its first run stopped without an outcome; reconcile it")
 
 
-async def _settle(backend: Backend, job: Job, emit: Callable[[EventName], None]) -> None:
+async def _settle(job: Job) -> None:
     """End a run: stored (nothing to do), kept as outcome unknown after an effect (whether the
-    block raised or just ended without a result), else released."""
-    held = job.claim
-    assert held is not None
-    if job.stored:
-        emit("store_error" if job.late else "completed")
-    elif held.effect:
-        await backend.mark_failed(job.key, held.token)
-        emit("unresolved")
-    else:  # it raised before any effect, or ended without an effect or a result: nothing happened
-        await backend.release(job.key, held.token)
-        emit("released")
-
-
-def _notify(observer: Observer, event: Event) -> None:
-    try:
-        observer(event)
-    except Exception:  # observability never fails a job
-        logger.exception("idem_asgi: observer failed on %r", event.name)
+    block raised or just ended without a result), else released (nothing happened)."""
+    session = job.claim
+    assert session is not None
+    if not job.stored:
+        await session.end(None, keep=session.effect)
 
 
 class Job:
     """One `claim` block: a repeat's stored `result`, or the running call's `store(value)`."""
 
-    __slots__ = ("_backend", "_emit", "_ttl", "claim", "key", "late", "result", "stored")
+    __slots__ = ("_session", "claim", "late", "result", "stored")
 
-    def __init__(
-        self,
-        backend: Backend,
-        key: RecordKey,
-        held: JobClaim | None,
-        ttl: float,
-        result: bytes | None,
-        emit: Callable[[EventName], None],
-    ) -> None:
-        self._backend = backend
-        self._emit = emit
-        self._ttl = ttl
-        self.key = key
-        self.claim = held
+    def __init__(self, session: JobClaim, result: bytes | None) -> None:
+        self._session = session
+        self.claim = None if result is not None else session
         self.result = result
         self.stored = False
         self.late = False  # the completion write failed and is being retried in the background
+
+    @property
+    def key(self) -> RecordKey:
+        return self._session.key
 
     @property
     def done(self) -> bool:
@@ -200,42 +201,25 @@ class Job:
         fails (store down, reply lost) is retried in the background for a while, as the
         middleware's are, and the result returned: repeats meanwhile see the call in progress.
         A claim taken over meanwhile raises `OutcomeUnknown`."""
-        held = self.claim
-        if held is None:
+        session = self.claim
+        if session is None:
             raise JobError(f"job key {self.key.key!r} is a repeat: its result is job.result, there is nothing to store")
         if self.stored:
-            raise JobError(f"job key {self.key.key!r}: its result was already stored")
-        held.mark_effect()
+            raise JobError(f"job key {self.key.key!r}: its result was already stored (store() is called once)")
+        session.mark_effect()
         answer = _sealed(self.key.key, value, returns)
-        try:
-            stored = await self._backend.complete(self.key, held.token, answer, ttl=self._ttl)
-        except Exception as exc:
-            self._retry_later(answer, held.token, exc)
-            stored = True
-        if not stored:
+        session.stop()
+        settled = await session.complete(answer)
+        if settled == "lost":
             raise OutcomeUnknown(f"job key {self.key.key!r}: its claim was taken over while it ran; result not stored")
+        if settled == "dropped":
+            raise OutcomeUnknown(
+                f"job key {self.key.key!r}: its result could not be stored (the store failed, and too many writes "
+                "wait for it); the claim is kept as outcome-unknown: reconcile it"
+            )
         self.stored = True
-        held.active = False
+        self.late = settled == "late"
         return answer.body
-
-    def _retry_later(self, answer: StoredResponse, token: int, exc: Exception) -> None:
-        """Hand a failed completion write to the store's `LateWrites`; raise `exc` when it is full."""
-        backend = self._backend
-        late = _late.get(backend)
-        if late is None:
-            late = _late[backend] = LateWrites(functools.partial(_alive, weakref.ref(backend)))
-        if not late.complete(self.key, token, answer, self._ttl, self._emit):
-            raise exc  # too many pending: the claim is kept (the effect is marked), outcome unknown
-        logger.warning("idem_asgi: could not store the result of job key %r (%r); retrying it", self.key.key, exc)
-        self.late = True
-
-
-def _alive(ref: weakref.ref[Backend]) -> Backend:
-    """The store a late write goes to (held weakly: a pending write never keeps a store alive)."""
-    backend = ref()
-    if backend is None:
-        raise ConfigurationError("the store of this job was garbage-collected before its result was written")
-    return backend
 
 
 def _sealed(key: str, value: Any, returns: Any) -> StoredResponse:
@@ -261,13 +245,6 @@ def stored_result(value: Any) -> StoredResponse:
     """A job's result as its record holds it: what a `reconcile` resolver returns for a job whose
     outcome it found out (the next call then returns `value` without running)."""
     return StoredResponse(200, list(_KIND), _encode(value))
-
-
-async def _renew(backend: Backend, key: RecordKey, token: int, lease: float) -> None:
-    while True:
-        await anyio.sleep(lease / 3)
-        with contextlib.suppress(Exception):  # a failed renewal is retried at the next tick
-            await backend.extend(key, token, lease=lease)
 
 
 def idempotent(
@@ -310,44 +287,53 @@ def idempotent(
     names = tuple(args)
     if (key is None) == (not names):
         raise ConfigurationError("idempotent needs exactly one of key=callable or args=[argument names]")
+    compared = None if fingerprint is None else tuple(fingerprint)
+    spec = _Spec(backend, key, names, compared, scope, namespace, JobTerms("", lease, ttl, wait), observer)
+    return functools.partial(_decorate, spec)
 
-    def decorate(func: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
-        signature = checked_function(func, names)
-        returns = checked_returns(func)
-        compared = None if fingerprint is None else tuple(fingerprint)
-        decode = _decoder(returns).decode
-        space = namespace if namespace is not None else default_namespace(func)
 
-        @functools.wraps(func)
-        async def run(*a: P.args, **kw: P.kwargs) -> R:
-            bound = signature.bind(*a, **kw)
-            bound.apply_defaults()
-            values = bound.arguments
-            the_key = key(*a, **kw) if key is not None else args_key(values, names)
-            owner = scope(*a, **kw) if scope is not None else None
-            picked = values if compared is None else {n: values[n] for n in compared}
-            async with claim(
-                backend,
-                the_key,
-                fingerprint=_job_args.fingerprint(picked),
-                namespace=space,
-                scope=owner,
-                ttl=ttl,
-                lease=lease,
-                wait=wait,
-                observer=observer,
-            ) as job:
-                if job.done:
-                    assert job.result is not None
-                    return decode(job.result)  # type: ignore[no-any-return]
-                value = await func(*a, **kw)
-                await job.store(value, returns=returns)
-                return value
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    """What `@idempotent(...)` was given, for `_decorate`."""
 
-        run.namespace = space  # type: ignore[attr-defined]
-        return run
+    backend: Backend
+    key: Callable[..., str] | None
+    names: tuple[str, ...]
+    compared: tuple[str, ...] | None
+    scope: Callable[..., str | None] | None
+    namespace: str | None
+    terms: JobTerms  # its label (the namespace) is filled in per function
+    observer: Observer | None
 
-    return decorate
+
+def _decorate(spec: _Spec, func: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
+    """The checks made at decoration, and the wrapper that claims, runs and stores."""
+    signature = checked_function(func, spec.names)
+    returns = checked_returns(func)
+    decode = _decoder(returns).decode
+    space = spec.namespace if spec.namespace is not None else default_namespace(func)
+    terms = dataclasses.replace(spec.terms, label=space)
+    key, names, compared, scope = spec.key, spec.names, spec.compared, spec.scope
+
+    @functools.wraps(func)
+    async def run(*a: P.args, **kw: P.kwargs) -> R:
+        bound = signature.bind(*a, **kw)
+        bound.apply_defaults()
+        values = bound.arguments
+        the_key = key(*a, **kw) if key is not None else args_key(values, names)
+        owner = scope(*a, **kw) if scope is not None else None
+        picked = values if compared is None else {n: values[n] for n in compared}
+        rt = _runtime(spec.backend, spec.observer)
+        async with _claimed(rt, terms, the_key, owner, _job_args.fingerprint(picked)) as job:
+            if job.done:
+                assert job.result is not None
+                return decode(job.result)  # type: ignore[no-any-return]
+            value = await func(*a, **kw)
+            await job.store(value, returns=returns)
+            return value
+
+    run.namespace = space  # type: ignore[attr-defined]
+    return run
 
 
 def current_job() -> JobClaim | None:

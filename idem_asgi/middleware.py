@@ -1,7 +1,8 @@
 """IdempotencyMiddleware: configuration, and the dispatch of each request to pass through or protection.
 
 No storage code lives here (that is `backends`), no decision logic (`_decide`) and no per-request
-state: a protected request's steps live on its own `_request.Protected` object.
+state: a protected request's steps live on its own `_request.Protected` object, built over the
+middleware's frozen `HttpRuntime` (what it needs, never the middleware itself).
 """
 
 from __future__ import annotations
@@ -17,15 +18,14 @@ from ._asgi import run_unclaimed
 from ._late_writes import LateWrites
 from ._leases import Leases
 from ._logging import once
-from ._request import Protected
+from ._request import HttpRuntime, Protected
 from ._types import ASGIApp, Message, Receive, Scope, Send
 from ._waiting import Waiters
 from .backends import Backend, Checkable, Watchable
 from .errors import BackendMisconfigured, ConfigurationError
 from .keys import ScopeFunc
-from .observe import Event, EventName, Observer
+from .observe import Observer
 from .policy import RecoverHook, RoutePolicy
-from .records import RecordKey
 from .routing import Route, RouteTable, route_path
 from .transform import AnswerTransform
 
@@ -91,8 +91,7 @@ class IdempotencyMiddleware:
         self.problem_base = problems.check_base(problem_base)
         self._pages = problems.served(self.problem_base)
         self._observer = observer
-        self.observed = observer is not None  # checked before building an event on the hot path
-        self._serve_from(_shared.backend_for(backend, routes))
+        self.backend: Backend = _shared.backend_for(backend, routes)
         if on_store_error not in ("fail_closed", "fail_open"):
             raise ConfigurationError(f"on_store_error must be 'fail_closed' or 'fail_open', got {on_store_error!r}")
         self.fail_open = on_store_error == "fail_open"
@@ -101,9 +100,10 @@ class IdempotencyMiddleware:
         self.namespace = namespace
         self.table = RouteTable(routes, header=header, scope=scope, recover=recover)
         self.replay_header = (replay_header.lower().encode("latin-1"), b"true")
-        self.leases = Leases(lambda: self.backend, self.emit, min((r.lease for r in self.routes), default=30.0) / 3)
-        self.late = LateWrites(lambda: self.backend)  # ends of claims the store did not take, retried
+        self.leases = Leases(min((r.lease for r in self.routes), default=30.0) / 3)
+        self.late = LateWrites()  # ends of claims the store did not take, retried
         self.waiters = Waiters()  # repeats held on `wait=` routes, woken by their holder in this process
+        self.runtime = self._runtime()
         self._check_scoping(strict)
         self._check_compression()
         self._disabled = os.environ.get("IDEM_ASGI_DISABLED", "").strip().lower() in ("1", "true", "yes", "on")
@@ -142,6 +142,22 @@ class IdempotencyMiddleware:
                 return
             inner = getattr(inner, "app", None)
 
+    def _runtime(self) -> HttpRuntime:
+        """What each protected request is handed (rebuilt when the store or the app is swapped)."""
+        return HttpRuntime(
+            self.backend,
+            self.leases,
+            self.late,
+            self.waiters,
+            self._observer,
+            self.app,
+            self.namespace,
+            self.fail_open,
+            self.transform,
+            self.replay_header,
+            self.problem_base,
+        )
+
     @property
     def routes(self) -> tuple[Route, ...]:
         """The compiled route policies, in the order given."""
@@ -155,36 +171,27 @@ class IdempotencyMiddleware:
     def use_backend(self, backend: Backend) -> Backend:
         """Serve from `backend` from now on and return the store used before (test tools wrap it).
 
-        Every part of the middleware (claims, lease renewal, answers written later) reads the store
-        at each call, so the swap reaches all of them at once.
+        Requests from now on claim, renew and settle in `backend`; one already running finishes in
+        the store it claimed in (every write of one claim goes to one store).
         """
-        previous = self.backend
-        self._serve_from(backend)
+        previous, self.backend = self.backend, backend
+        self.runtime = self._runtime()
         return previous
 
-    def _serve_from(self, backend: Backend) -> None:
-        self.backend: Backend = backend
-        # What the store can do beyond `Backend`, asked once here, never per request.
-        self.watcher: Watchable | None = backend if isinstance(backend, Watchable) else None
+    @property
+    def watcher(self) -> Watchable | None:
+        """The store, if it can tell this process when a claim ends (asked once, when it is set)."""
+        return self.runtime.watcher
 
     def use_app(self, app: ASGIApp) -> ASGIApp:
         """Protect `app` from now on and return the app protected before (test tools wrap it)."""
         previous, self.app = self.app, app
+        self.runtime = self._runtime()
         return previous
 
     def route_for(self, method: str, path: str) -> Route | None:
         """The compiled policy protecting `method` on `path` (relative to the mount), or None."""
         return self.table.match(path, method.upper())
-
-    def emit(self, name: EventName, route: Route, rkey: RecordKey | None = None, status: int | None = None) -> None:
-        """Tell the observer about a decision; an observer that raises is logged and ignored."""
-        if self._observer is None:
-            return
-        try:
-            key, owner = (None, None) if rkey is None else (rkey.key, rkey.scope or None)
-            self._observer(Event(name, route.policy.path, key, owner, status))
-        except Exception:
-            logger.exception("idem_asgi: observer failed on %r", name)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -201,7 +208,7 @@ class IdempotencyMiddleware:
         if self._disabled:
             await self._unclaimed(route, scope, receive, send)
             return
-        await Protected(self, route, scope, receive, send).handle()
+        await Protected(self.runtime, route, scope, receive, send).handle()
 
     async def _unclaimed(self, route: Route, scope: Scope, receive: Receive, send: Send) -> None:
         """Disabled: run the app with nothing claimed, but still hand it the key, so handlers that read it work."""

@@ -35,8 +35,9 @@ import msgspec
 
 from ._logging import redact
 from .backends import Backend, Maintenance
+from .claims.recovery import Verdict, resolve
 from .errors import ConfigurationError
-from .records import IN_PROGRESS, Claimed, Record, RecordKey, StaleRecord, StoredResponse
+from .records import Record, RecordKey, StaleRecord, StoredResponse
 from .transform import AnswerTransform, seal
 
 __all__ = [
@@ -190,12 +191,7 @@ async def reconcile(
             action, detail = await _resolve_one(
                 backend, resolve, s, ttl=ttl, lease=lease, dry_run=dry_run, transform=transform
             )
-        k = s.key
-        report.count(
-            ReconcileItem(k.namespace, k.scope, k.key, s.record.token, s.record.lease_until, action, detail, k.digest)
-        )
-        log = logger.warning if action == "error" else logger.info
-        log("idem_asgi: reconcile %s key=%r scope=%r: %s %s", k.namespace, k.key, k.scope, action, detail)
+        _count(report, s, action, detail)
 
     told = _DRY_RUN.set(dry_run)  # the resolvers' tasks inherit it: `is_dry_run()`
     try:
@@ -207,6 +203,15 @@ async def reconcile(
     # Items are appended as they finish: put them back in listing order (oldest lease first).
     report.items.sort(key=lambda item: item.lease_until)
     return report
+
+
+def _count(report: ReconcileReport, s: StaleRecord, action: Action, detail: str) -> None:
+    k = s.key
+    report.count(
+        ReconcileItem(k.namespace, k.scope, k.key, s.record.token, s.record.lease_until, action, detail, k.digest)
+    )
+    log = logger.warning if action == "error" else logger.info
+    log("idem_asgi: reconcile %s key=%r scope=%r: %s %s", k.namespace, k.key, k.scope, action, detail)
 
 
 async def _resolve_one(
@@ -255,6 +260,14 @@ async def _resolve_one(
         return "error", f"store failed: {type(exc).__name__}: {redact(str(exc))}"
 
 
+_SAID: dict[Verdict, tuple[Action, str]] = {
+    "released": ("released", "released; the next retry runs it"),
+    "gone": ("skipped", "gone since it was listed (released, completed or expired)"),
+    "changed": ("skipped", "changed since it was listed"),
+    "committed": ("skipped", "its effect committed (transaction()); never released"),
+}
+
+
 async def _apply(
     backend: ReconcilableBackend,
     s: StaleRecord,
@@ -263,35 +276,13 @@ async def _apply(
     ttl: float,
     lease: float,
 ) -> tuple[Action, str]:
-    key, record = s.key, s.record
-    if s.effect_committed:
-        # Such a claim cannot be taken over (that could run the effect again), so its answer is
-        # written under the holder's own token, if the claim is still exactly as listed.
+    """Write the outcome through the one recovery algorithm (`claims.recovery`), fenced by the
+    listed token: a claim completed, released, renewed or taken over since is left alone."""
+    verdict, _ = await resolve(backend, s.key, s.record, outcome, lease=lease, ttl=ttl)
+    if verdict == "completed":
         assert isinstance(outcome, StoredResponse)
-        current = await backend.get(key)
-        if (
-            current is None
-            or current.state != IN_PROGRESS
-            or current.token != record.token
-            or current.lease_until != record.lease_until
-        ):
-            return "skipped", "changed since it was listed"
-        if await backend.complete(key, record.token, outcome, ttl=ttl):
-            return "completed", f"stored a {outcome.status} answer"
-        return "skipped", "changed since it was listed"
-    # Taking the claim over first checks, atomically and by the store's clock, that the listed
-    # token still holds and its lease is still over, and fences the old holder out for good
-    # should it wake up. Only then is the outcome written, under the new token.
-    taken = await backend.takeover(key, record.token, record.fingerprint, lease=lease, ttl=ttl)
-    if taken is None:
-        return "skipped", "gone since it was listed (released, completed or expired)"
-    if not isinstance(taken, Claimed):
-        return "skipped", "changed since it was listed"
-    if outcome == "release":
-        if await backend.release(key, taken.token):
-            return "released", "released; the next retry runs it"
-        return "error", "taken over, but the release was refused; it will be listed again"
-    assert isinstance(outcome, StoredResponse)
-    if await backend.complete(key, taken.token, outcome, ttl=ttl):
         return "completed", f"stored a {outcome.status} answer"
-    return "error", "taken over, but storing the answer was refused; it will be listed again"
+    if verdict == "refused":
+        what = "the release" if outcome == "release" else "storing the answer"
+        return "error", f"taken over, but {what} was refused; it will be listed again"
+    return _SAID[verdict]

@@ -20,6 +20,10 @@ IN_PROGRESS: Final = "in_progress"
 COMPLETED: Final = "completed"
 State = Literal["in_progress", "completed"]
 
+JOB_MARK: Final = (b"x-idem-job", b"1")
+"""The header a job's stored result carries (`jobs.stored_result`): a job has no client that got
+its answer over the wire, its result is its only outcome."""
+
 
 class StoredResponse(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """The application's answer, verbatim: status, header pairs in order, body bytes.

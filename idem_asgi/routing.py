@@ -116,6 +116,7 @@ class Route:
         "header",
         "header_name",
         "key_source",
+        "label",
         "lease",
         "max_body",
         "max_stored_body",
@@ -133,6 +134,7 @@ class Route:
 
     def __init__(self, policy: RoutePolicy, header: str, scope: ScopeFunc | None, recover: RecoverHook | None) -> None:
         where = f"route {policy.path!r}"
+        self.label = policy.path  # what its events name as their route
         compile_path(policy.path)  # validate now, not at the first request
         self.policy = policy
         self.methods = method_set(policy.methods, where)

@@ -192,16 +192,17 @@ async def test_a_poison_message_is_dead_lettered_after_a_bounded_number_of_attem
 async def test_a_duplicate_of_a_slow_message_waits_for_it_instead_of_being_dead_lettered(rig: Rig) -> None:
     # Requeued at once, the duplicate would come round x-delivery-limit times while the first copy
     # still runs and be dead-lettered: a dead letter for a message that was applied.
-    deliveries = 0
+    deliveries = settled = 0
 
     async def handle(message: Any) -> None:
         await rig.effects.incr(rig.counter + message.message_id)
         await asyncio.sleep(1.0)
 
     async def counting(message: Any) -> None:
-        nonlocal deliveries
+        nonlocal deliveries, settled
         deliveries += 1
         await on_message(message)
+        settled += 1
 
     store = RedisBackend.from_url(REDIS_URL, prefix=rig.prefix)
     on_message = rabbitmq_handler(store, handle, namespace="payments")
@@ -214,8 +215,8 @@ async def test_a_duplicate_of_a_slow_message_waits_for_it_instead_of_being_dead_
     await rig.publish("pay-slow")
     await rig.publish("pay-slow")
 
-    async def drained() -> bool:
-        return await rig.depth(rig.queue) == 0 and await rig.counts(["pay-slow"]) == [1]
+    async def drained() -> bool:  # both copies settled: closing a channel earlier cancels the first copy
+        return settled == 2 and await rig.depth(rig.queue) == 0 and await rig.counts(["pay-slow"]) == [1]
 
     await asyncio.sleep(0.3)
     await until(drained, 15)

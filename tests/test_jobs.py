@@ -169,6 +169,7 @@ async def test_observers_see_each_decision_with_the_namespace_as_route(backend: 
         ("released", namespace),
         ("claimed", namespace),
         ("unresolved", namespace),
+        ("expired", namespace),  # as on HTTP: the lease is over, then its outcome is unknown
         ("outcome_unknown", namespace),
     ]
     assert {k for *_, k in events} == {"order_id=o1", "order_id=o2", "order_id=o3"}
@@ -197,7 +198,8 @@ class FailingComplete(Delegating):
 
 async def settled(store: Backend) -> None:
     """Wait until the jobs' background writes to `store` are done."""
-    late = jobs._late.get(store)
+    shared = jobs._shared.get(store)
+    late = shared.late if shared is not None else None
     tasks = set(late._tasks) if late is not None else set()
     if tasks:
         await asyncio.wait(tasks, timeout=5)

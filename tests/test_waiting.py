@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import uuid
 from collections import Counter
 from typing import Any
@@ -146,6 +147,7 @@ async def test_repeats_held_on_a_holder_in_their_process_are_woken_once_by_its_a
     app = Gated()
     mw = protect(app, store, namespace, wait=10)
     waiters = mw.waiters = CountingWaiters()
+    mw.runtime = dataclasses.replace(mw.runtime, waiters=waiters)  # what each request is handed
     key = uuid.uuid4().hex
     first = asyncio.create_task(post(mw, key))
     await asyncio.wait_for(app.entered.wait(), 5)

@@ -7,8 +7,10 @@ then run a second time. The store is bounded instead: by `max_entries` records, 
 stored answers, and per scope by `scope_share` of both (one tenant cannot fill it for the others).
 A full store refuses new claims (503; 429 for a scope over its share); an answer that does not fit
 the byte budget is kept as "completed, not replayable" (the first client has it; repeats get 409
-`response-not-stored`, never a second run). Records are per process: two workers never see each
-other's keys, so use Redis or Postgres as soon as you run more than one process.
+`response-not-stored`, never a second run); a job's result that does not fit keeps its claim as
+outcome-unknown instead (its lease ended), which `stale()` lists for `reconcile`. Records are per
+process: two workers never see each other's keys, so use Redis or Postgres as soon as you run more
+than one process.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ..errors import ConfigurationError, StoreFull
 from ..records import (
     COMPLETED,
     IN_PROGRESS,
+    JOB_MARK,
     Claimed,
     ClaimResult,
     Existing,
@@ -220,6 +223,11 @@ class MemoryBackend(ClosingMixin):
                 return False
             size = _size(response)
             if not self._fits(key, size):
+                if JOB_MARK in response.headers:  # a job's result is its only outcome: reconcile it
+                    self._set(
+                        digest, msgspec.structs.replace(rec, lease_until=min(rec.lease_until, now), holder_failed=True)
+                    )
+                    return True
                 # Over the byte budget: keep the outcome (never run it twice), not the bytes.
                 response, size = StoredResponse(response.status, [], b"", replayable=False), 0
             expires_at = now + ttl
