@@ -20,6 +20,10 @@ from typing import Any
 
 import asyncpg
 
+from ...records import RecordKey
+from ._setup import Setup
+from ._sql import Statements
+
 logger = logging.getLogger("idem_asgi")
 
 PING_EVERY = 5.0
@@ -143,3 +147,34 @@ class Notices:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
             self._task = None
+
+
+class Watching(Setup):
+    """`PostgresBackend.watch`: held repeats told by LISTEN/NOTIFY (set up by the backend)."""
+
+    _notices: Notices | None
+    _channel: str
+    sql: Statements
+    _id: Callable[[RecordKey], tuple[str, str, str]]
+
+    async def watch(self, key: RecordKey, token: int, on_change: Callable[[str | None], None]) -> bool | None:
+        """Have `on_change(digest)` called when the claim `token` of `key` ends (a NOTIFY on the
+        table's channel, heard by one LISTEN connection per backend); `on_change(None)`: notices
+        were interrupted, any claim may have ended unseen.
+
+        True: it will be told. False: it ended already (read it again). None: no notices now (a
+        pool of the app's own or a transaction-mode pooler, where LISTEN cannot work; the row
+        locked by the holder; the listening connection not up within `timeout`): poll instead.
+        """
+        pool = await self._get_pool()  # (probes for a pooler)
+        if self._dsn is None or self._pooled:
+            return None
+        if self._notices is None:
+            self._notices = Notices(self._dsn, self._channel, self.timeout)
+        if not await self._notices.listen(on_change, self.timeout):
+            return None
+        # One row update per claim and process, however many repeats are held on it here.
+        watching = await self._notices.mark(
+            key.digest, token, lambda: self._runner.run(pool, "fetchval", self.sql.watch, *self._id(key), token)
+        )
+        return None if watching is None else bool(watching)

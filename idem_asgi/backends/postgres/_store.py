@@ -12,19 +12,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Final, Literal
 
 import anyio
 import msgspec
 
 from ...errors import BackendError, ClaimLost, ConfigurationError, missing_extra
-from ...records import COMPLETED, IN_PROGRESS, Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
+from ...records import Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
 from ...records import StaleRecord as StaleRecord  # re-exported: it was defined here before records.py
-from ...sealed_keys import KeySeal, opened
+from ...sealed_keys import KeySeal
 from .._base import ClosingMixin, new_token
 from .._orphans import OrphanSweeper
-from ._notices import Notices, channel_of
 from ._sql import Statements, index_name
 
 try:
@@ -36,30 +35,18 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from ._effects import effect_transaction, live_claim
 from ._keys import HASHED
 from ._lean import POOL_ONLY
+from ._notices import Notices, Watching, channel_of
 from ._pool import Runner
-from ._setup import Setup
+from ._rows import as_claimed, record_of, row_key
 
 logger = logging.getLogger("idem_asgi")
 
 
-def _row_key(
-    namespace: str, scope: str, key: str, store_keys: bool, seal: KeySeal | None, sealed: str | None
-) -> RecordKey:
-    """The key of a row: known by its digest (and its sealed key, opened with `seal`), or by raw
-    columns (marked, where this backend would look it up by the digest: a row of an earlier
-    version, or of an app that keeps raw keys)."""
-    if key.startswith(HASHED) and not scope:
-        return opened(seal, namespace, key[1:], sealed)
-    built = RecordKey.build(namespace, scope, key)
-    return built if store_keys else RecordKey(namespace, built.scope, key, built.digest, stored_raw=True)
-
-
 _IDENT: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 _headers_encode = msgspec.msgpack.Encoder().encode
-_headers_decode = msgspec.msgpack.Decoder(list[tuple[bytes, bytes]]).decode
 
 
-class PostgresBackend(Setup, ClosingMixin):
+class PostgresBackend(Watching, ClosingMixin):
     """Idempotency records in a PostgreSQL table through an asyncpg pool.
 
     Args:
@@ -194,8 +181,8 @@ class PostgresBackend(Setup, ClosingMixin):
                 continue  # lost a race our snapshot cannot see (see _sql_claim): read again
             if row[0]:
                 return Claimed(token)
-            record = _record(row)
-            if rerun and _as_claimed(record, token, fingerprint):
+            record = record_of(row)
+            if rerun and as_claimed(record, token, fingerprint):
                 # Our own claim: the statement run again after the connection broke had committed.
                 return Claimed(token)
             return Existing(record, row[10])
@@ -233,8 +220,8 @@ class PostgresBackend(Setup, ClosingMixin):
                 return Claimed(token)
             if row[0] == "gone":
                 return None
-            record = _record(row)
-            if rerun and _as_claimed(record, token, fingerprint):
+            record = record_of(row)
+            if rerun and as_claimed(record, token, fingerprint):
                 return Claimed(token)  # our own takeover, committed before its answer was lost
             return Existing(record, row[10])
         raise BackendError("takeover found neither the claim nor a record after 5 attempts")
@@ -280,28 +267,6 @@ class PostgresBackend(Setup, ClosingMixin):
         changed, _ = await self._runner.run_again(pool, "fetchval", self.sql.fail, *args)
         return bool(changed == 1)
 
-    async def watch(self, key: RecordKey, token: int, on_change: Callable[[str | None], None]) -> bool | None:
-        """Have `on_change(digest)` called when the claim `token` of `key` ends (a NOTIFY on the
-        table's channel, heard by one LISTEN connection per backend); `on_change(None)`: notices
-        were interrupted, any claim may have ended unseen.
-
-        True: it will be told. False: it ended already (read it again). None: no notices now (a
-        pool of the app's own or a transaction-mode pooler, where LISTEN cannot work; the row
-        locked by the holder; the listening connection not up within `timeout`): poll instead.
-        """
-        pool = await self._get_pool()  # (probes for a pooler)
-        if self._dsn is None or self._pooled:
-            return None
-        if self._notices is None:
-            self._notices = Notices(self._dsn, self._channel, self.timeout)
-        if not await self._notices.listen(on_change, self.timeout):
-            return None
-        # One row update per claim and process, however many repeats are held on it here.
-        watching = await self._notices.mark(
-            key.digest, token, lambda: self._runner.run(pool, "fetchval", self.sql.watch, *self._id(key), token)
-        )
-        return None if watching is None else bool(watching)
-
     async def checkpoint(self, step: str, *, key: RecordKey | None = None, token: int | None = None) -> None:
         """Record how far the running handler got (e.g. `"charged ch_123"`) on its claim's row.
 
@@ -324,7 +289,7 @@ class PostgresBackend(Setup, ClosingMixin):
     async def get(self, key: RecordKey) -> Record | None:
         pool = await self._get_pool()
         row = await self._runner.run(pool, "fetchrow", self.sql.get, *self._id(key))
-        return None if row is None else _record(row)
+        return None if row is None else record_of(row)
 
     async def purge(self, batch_size: int = 1000, *, max_batches: int | None = None) -> int:
         """Delete expired records, `batch_size` rows per statement; returns how many were deleted.
@@ -361,8 +326,8 @@ class PostgresBackend(Setup, ClosingMixin):
         rows = await self._runner.run(pool, "fetch", self.sql.stale, float(older_than), limit, namespace)
         return [
             StaleRecord(
-                _row_key(row[15], row[16], row[17], self.store_keys, self.key_seal, row[18]),
-                _record(row),
+                row_key(row[15], row[16], row[17], self.store_keys, self.key_seal, row[18]),
+                record_of(row),
                 row[1] == b"e",
             )
             for row in rows
@@ -434,36 +399,3 @@ class PostgresBackend(Setup, ClosingMixin):
         if self._owned and self._pool is not None:
             pool, self._pool = self._pool, None
             await pool.close()
-
-
-def _as_claimed(record: Record, token: int, fingerprint: bytes) -> bool:
-    """Whether `record` is exactly the claim a statement of ours (re-run after a broken connection)
-    made: our token, our fingerprint, in progress and untouched since. Only then is a stored token
-    equal to ours proof of ownership; a completed or failed record never is."""
-    return (
-        record.token == token
-        and record.fingerprint == fingerprint
-        and record.state == IN_PROGRESS
-        and not record.holder_failed
-        and not record.effect_committed
-    )
-
-
-def _record(row: Any) -> Record:
-    state = row[1]
-    response = None
-    if state == b"c" and row[6] is not None:
-        trailers = None if row[12] is None else _headers_decode(row[12])
-        response = StoredResponse(row[6], _headers_decode(row[7]), row[8], row[9], trailers, bool(row[14]))
-    return Record(
-        COMPLETED if state == b"c" else IN_PROGRESS,
-        row[2],
-        row[3],
-        row[4],
-        row[5],
-        response,
-        row[11],
-        effect_committed=state == b"e",
-        holder_failed=state == b"u",
-        ttl=row[13],
-    )
