@@ -6,12 +6,14 @@ dead-letter queue, deleted afterwards."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aio_pika
@@ -19,9 +21,10 @@ import pytest
 import redis.asyncio as aioredis
 
 from idem_asgi.backends.redis import RedisBackend
-from idem_asgi.consumers import rabbitmq_handler
+from idem_asgi.consumers import body_digest, rabbitmq_handler
 from tests.support.scorecard import report
 from tests.support.servers import REDIS_URL, ROOT, require
+from tests.support.store_outage import fsynced_redis, restart_when
 
 AMQP = os.environ.get("IDEM_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
 pytestmark = [pytest.mark.redis]
@@ -247,3 +250,120 @@ async def test_a_result_that_cannot_be_stored_is_dead_lettered_after_one_effect(
     await store.aclose()
     assert await rig.counts(["pay-opaque"]) == [1]
     assert await rig.depth(rig.queue) == 0
+
+
+async def test_a_redis_restart_mid_stream_applies_every_message_once_and_dead_letters_none(
+    rig: Rig, tmp_path: Path
+) -> None:
+    # Requeued at once (the first version), a message whose claim met the stopped store came
+    # round as fast as the broker redelivers and was dead-lettered by x-delivery-limit, never run.
+    ids = [f"pay-{i}" for i in range(40)]
+    redelivered = 0
+
+    async def handle(message: Any) -> None:
+        nonlocal redelivered
+        redelivered += bool(message.redelivered)
+        await rig.effects.incr(rig.counter + message.message_id)
+        await asyncio.sleep(0.02)
+
+    with fsynced_redis(tmp_path / "store") as server:
+        stores, channels = [], []
+        for _ in range(2):  # two competing consumers, prefetch 10 each
+            store = RedisBackend.from_url(server.url, prefix=rig.prefix)
+            channel = await rig.connection.channel()
+            await channel.set_qos(prefetch_count=10)
+            await (await channel.get_queue(rig.queue)).consume(rabbitmq_handler(store, handle, namespace="payments"))
+            stores.append(store)
+            channels.append(channel)
+        for message_id in ids:
+            await rig.publish(message_id)
+
+        async def some_applied() -> bool:
+            return sum(await rig.counts(ids)) >= 8
+
+        started = time.monotonic()
+        await restart_when(server, some_applied, down=3.0)
+
+        async def drained() -> bool:  # every message applied or dead-lettered
+            settled = sum(await rig.counts(ids)) + await rig.depth(rig.dlq)
+            return await rig.depth(rig.queue) == 0 and settled >= len(ids)
+
+        await until(drained, 60)
+        took = time.monotonic() - started
+        await asyncio.sleep(0.5)  # a late duplicate would show now
+        for channel in channels:
+            await channel.close()
+        for store in stores:
+            await store.aclose()
+    counts = await rig.counts(ids)
+    dead = await rig.depth(rig.dlq)
+    report(
+        {
+            "test": "rabbitmq_redis_restart",
+            "messages": len(ids),
+            "down_s": 3.0,
+            "effects": sum(counts),
+            "dead_lettered": dead,
+            "redelivered": redelivered,
+            "seconds": round(took, 1),
+        },
+        tag="CONSUMER",
+    )
+    assert counts == [1] * len(ids), {i: c for i, c in zip(ids, counts, strict=True) if c != 1}
+    assert dead == 0
+
+
+async def test_an_outbox_relay_republishing_a_body_without_message_id_applies_it_once(rig: Rig) -> None:
+    # aio-pika gives each publish without a message_id a random one: keyed by message_id, the
+    # relay's second publish of a row would be a second message and a second charge.
+    seen_ids: list[str] = []
+
+    async def handle(message: Any) -> None:
+        seen_ids.append(message.message_id)
+        await rig.effects.incr(rig.counter + "order-7")
+
+    store = RedisBackend.from_url(REDIS_URL, prefix=rig.prefix)
+    channel = await rig.connection.channel()
+    await channel.set_qos(prefetch_count=10)
+    on_message = rabbitmq_handler(store, handle, namespace="payments", key=body_digest)
+    await (await channel.get_queue(rig.queue)).consume(on_message)
+    body = b'{"order": "order-7", "amount": 100}'
+    for _ in range(2):  # the relay published, crashed before marking the row sent, published again
+        await channel.default_exchange.publish(aio_pika.Message(body), routing_key=rig.queue)
+
+    async def drained() -> bool:
+        return await rig.depth(rig.queue) == 0 and len(seen_ids) >= 1
+
+    await until(drained, 15)
+    await asyncio.sleep(0.3)
+    await channel.close()
+    await store.aclose()
+    assert len(seen_ids) == 1 and seen_ids[0], "aio-pika invented a message_id; the body digest keyed it"
+    assert await rig.counts(["order-7"]) == [1]
+    assert await rig.depth(rig.dlq) == 0
+
+
+async def test_keyed_by_a_business_field_a_republished_order_applies_once(rig: Rig) -> None:
+    ran: list[bytes] = []
+
+    async def handle(message: Any) -> None:
+        ran.append(message.body)
+
+    store = RedisBackend.from_url(REDIS_URL, prefix=rig.prefix)
+    channel = await rig.connection.channel()
+    on_message = rabbitmq_handler(store, handle, namespace="payments", key=lambda m: json.loads(m.body)["order"])
+    await (await channel.get_queue(rig.queue)).consume(on_message)
+    body = b'{"order": "order-8", "amount": 100}'
+    for _ in range(2):
+        await channel.default_exchange.publish(aio_pika.Message(body), routing_key=rig.queue)
+
+    async def drained() -> bool:
+        return await rig.depth(rig.queue) == 0 and len(ran) >= 1
+
+    await until(drained, 15)
+    await asyncio.sleep(0.3)
+    await channel.close()
+    await store.aclose()
+    assert ran == [body]
+    with pytest.raises(ValueError, match="one source"):
+        rabbitmq_handler(store, handle, namespace="payments", header="Payment-Id", key=body_digest)
