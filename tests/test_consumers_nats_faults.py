@@ -80,6 +80,7 @@ async def test_a_redis_restart_mid_stream_applies_every_message_once_and_dead_le
     )
     assert counts == [1] * len(ids), {i: c for i, c in zip(ids, counts, strict=True) if c != 1}
     assert dead == []
+    assert all(n == 1 for _, n in deliveries), "held with in_progress(), never nak'd: no delivery counted"
 
 
 async def _publish_all(js: Any, subject: str, ids: list[str]) -> None:
