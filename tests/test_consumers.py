@@ -23,8 +23,8 @@ import redis.asyncio as aioredis
 from idem_asgi.backends.redis import RedisBackend
 from idem_asgi.consumers import body_digest, rabbitmq_handler
 from tests.support.scorecard import report
-from tests.support.servers import REDIS_URL, ROOT, require
-from tests.support.store_outage import fsynced_redis, restart_when
+from tests.support.servers import REDIS_URL, ROOT, RedisProcess, need_redis_server, require
+from tests.support.store_outage import FSYNC_ALWAYS, fsynced_redis, restart_when
 
 AMQP = os.environ.get("IDEM_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
 pytestmark = [pytest.mark.redis]
@@ -375,3 +375,47 @@ async def test_keyed_by_a_business_field_a_republished_order_applies_once(rig: R
     assert ran == [body]
     with pytest.raises(ValueError, match="one source"):
         rabbitmq_handler(store, handle, namespace="payments", header="Payment-Id", key=body_digest)
+
+
+async def test_while_the_store_is_down_the_consumer_takes_no_more_than_its_prefetch(rig: Rig, tmp_path: Path) -> None:
+    # Requeued at once (the first version), the same few messages cycled through the consumer as
+    # fast as the broker redelivers, each cycle counted toward x-delivery-limit.
+    deliveries: list[tuple[str, bool]] = []
+
+    async def handle(message: Any) -> None:
+        await rig.effects.incr(rig.counter + message.message_id)
+
+    server = RedisProcess(tmp_path / "store", args=FSYNC_ALWAYS)  # not started yet: the store is down
+    need_redis_server()
+    store = RedisBackend.from_url(server.url, prefix=rig.prefix)
+    on_message = rabbitmq_handler(store, handle, namespace="payments")
+
+    async def deliver(message: Any) -> None:
+        deliveries.append((message.message_id, bool(message.redelivered)))
+        await on_message(message)
+
+    channel = await rig.connection.channel()
+    await channel.set_qos(prefetch_count=2)
+    await (await channel.get_queue(rig.queue)).consume(deliver)
+    ids = [f"pay-{i}" for i in range(10)]
+    try:
+        for message_id in ids:
+            await rig.publish(message_id)
+        await asyncio.sleep(1.5)
+        held = list(deliveries)
+        waiting = await rig.depth(rig.queue)  # ready messages, not the unacked ones
+        await asyncio.to_thread(server.start)
+
+        async def drained() -> bool:
+            return await rig.depth(rig.queue) == 0 and sum(await rig.counts(ids)) + await rig.depth(rig.dlq) >= 10
+
+        await until(drained, 30)
+    finally:
+        await channel.close()
+        await store.aclose()
+        server.kill()
+    assert held == [("pay-0", False), ("pay-1", False)], "two held (the prefetch), none cycled"
+    assert waiting == 8, "the rest waited in the queue"
+    assert await rig.counts(ids) == [1] * 10
+    assert await rig.depth(rig.dlq) == 0
+    assert not any(redelivered for _, redelivered in deliveries)
