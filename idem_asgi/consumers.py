@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import hashlib
 import json
 import logging
@@ -219,32 +220,14 @@ def rabbitmq_handler(
     would find every message already applied and never run. A message carries nothing that names
     its queue, so there is no default."""
     key_of = _key_reader("rabbitmq_handler", header, field, key, lambda message: message.message_id)
+    claiming: dict[str, Any] = {"namespace": namespace, "ttl": ttl, "lease": lease, "wait": wait, "observer": observer}
 
     async def on_message(message: Any) -> None:
         message_key = _key_of(key_of(message))
-
-        def attempt() -> Awaitable[Settle]:
-            return apply_once(
-                backend,
-                message_key,
-                message.body,
-                lambda: handler(message),
-                namespace=namespace,
-                ttl=ttl,
-                lease=lease,
-                wait=wait,
-                observer=observer,
-            )
-
-        settle = await _hold_while_store_down(attempt, store_hold)
-        if settle is Settle.ACK:
-            await message.ack()
-        elif settle is Settle.DEAD:
-            await message.reject(requeue=False)
-        else:
-            if settle is Settle.STORE_DOWN:
-                logger.error("idem_asgi: message %r held %gs, the store still down; requeued", message_key, store_hold)
-            await message.nack(requeue=True)
+        attempt = functools.partial(
+            apply_once, backend, message_key, message.body, lambda: handler(message), **claiming
+        )
+        await _settle_rabbitmq(message, await _hold_while_store_down(attempt, store_hold), message_key, store_hold)
 
     return on_message
 
@@ -285,26 +268,15 @@ def nats_handler(
     if progress_every is not None and progress_every <= 0:
         raise ValueError(f"progress_every must be positive, got {progress_every!r}")
     book = ConsumerBook()
+    claiming: dict[str, Any] = {"ttl": ttl, "lease": lease, "wait": wait, "observer": observer}
 
     async def on_message(msg: Any) -> None:
         facts = await book.facts(msg)
         space = namespace_of(facts, namespace)
         ticker = asyncio.ensure_future(_in_progress(msg, progress_interval(facts, progress_every, lease)))
-        message_key = _key_of(key_of(msg))
-
-        def attempt() -> Awaitable[Settle]:
-            return apply_once(
-                backend,
-                message_key,
-                msg.data,
-                lambda: handler(msg),
-                namespace=space,
-                ttl=ttl,
-                lease=lease,
-                wait=wait,
-                observer=observer,
-            )
-
+        attempt = functools.partial(
+            apply_once, backend, _key_of(key_of(msg)), msg.data, lambda: handler(msg), namespace=space, **claiming
+        )
         try:
             settle = await _hold_while_store_down(attempt, None)
         finally:
@@ -317,6 +289,18 @@ def nats_handler(
             await msg.nak(delay=retry_delay)
 
     return on_message
+
+
+async def _settle_rabbitmq(message: Any, settle: Settle, key: str | None, held: float) -> None:
+    """Ack, dead-letter (reject without requeue) or requeue (a nack the quorum queue counts)."""
+    if settle is Settle.ACK:
+        await message.ack()
+    elif settle is Settle.DEAD:
+        await message.reject(requeue=False)
+    else:
+        if settle is Settle.STORE_DOWN:
+            logger.error("idem_asgi: message %r held %gs, the store still down; requeued", key, held)
+        await message.nack(requeue=True)
 
 
 async def _in_progress(msg: Any, every: float) -> None:
