@@ -20,11 +20,15 @@ import aio_pika
 import pytest
 import redis.asyncio as aioredis
 
+from idem_asgi.backends.memory import MemoryBackend
 from idem_asgi.backends.redis import RedisBackend
-from idem_asgi.consumers import body_digest, rabbitmq_handler
+from idem_asgi.consumers import Settle, apply_once, body_digest, rabbitmq_handler
+from idem_asgi.errors import BackendUnavailable
+from idem_asgi.records import RecordKey
 from tests.support.scorecard import report
 from tests.support.servers import REDIS_URL, ROOT, RedisProcess, need_redis_server, require
 from tests.support.store_outage import FSYNC_ALWAYS, fsynced_redis, restart_when
+from tests.support.stores import Delegating
 
 AMQP = os.environ.get("IDEM_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
 pytestmark = [pytest.mark.redis]
@@ -419,3 +423,32 @@ async def test_while_the_store_is_down_the_consumer_takes_no_more_than_its_prefe
     assert await rig.counts(ids) == [1] * 10
     assert await rig.depth(rig.dlq) == 0
     assert not any(redelivered for _, redelivered in deliveries)
+
+
+class _Down(Delegating):
+    """A store whose claims fail as an unreachable one's do, while `down` is set."""
+
+    down = True
+
+    def before(self, op: str, key: RecordKey) -> RecordKey:
+        if self.down and op == "claim":
+            raise BackendUnavailable("redis unavailable: connection refused")
+        return key
+
+
+async def test_only_a_claim_the_store_could_not_make_is_a_store_outage() -> None:
+    # The first version read every error before an effect as the handler's failure: handed back
+    # at once, counted, and dead-lettered by the delivery limit although nothing ran.
+    store = _Down(MemoryBackend())
+    ran: list[int] = []
+
+    async def handler() -> None:
+        ran.append(1)
+        raise BackendUnavailable("the handler's own database is down")
+
+    common: dict[str, Any] = {"namespace": "outage", "ttl": 60.0, "lease": 5.0, "wait": 0.0}
+    assert await apply_once(store, "m-1", b"{}", handler, **common) is Settle.STORE_DOWN
+    assert ran == [], "nothing ran"
+    store.down = False
+    assert await apply_once(store, "m-1", b"{}", handler, **common) is Settle.RETRY, "the handler's failure"
+    assert ran == [1]
