@@ -8,6 +8,9 @@ of tests/test_consumers_nats.py."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -23,7 +26,7 @@ from idem_asgi.consumers import nats_handler
 from idem_asgi.errors import ConfigurationError
 from tests.support.nats_server import nats_process
 from tests.support.scorecard import report
-from tests.support.servers import REDIS_URL
+from tests.support.servers import REDIS_URL, ROOT
 from tests.support.store_outage import fsynced_redis, restart_when
 from tests.test_consumers_nats import ACK_WAIT, Consumer, Rig, rig, until
 
@@ -226,3 +229,52 @@ async def test_a_progress_interval_the_ack_wait_cannot_keep_is_refused(rig: Rig)
     finally:
         await store.aclose()
     assert ran == ["pay-1"]
+
+
+CRASH_POINTS = ("receipt", "before_effect", "after_effect", "after_store")
+
+
+def _start(rig: Rig, point: str | None) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "IDEM_LEASE": "1"}
+    if point is not None:
+        env["IDEM_DIE_AT"] = point
+    argv = [sys.executable, "-m", "tests.consumer_process", "nats", rig.stream, rig.durable, rig.prefix, rig.counter]
+    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+async def test_four_consumer_processes_under_a_manager_each_killed_at_one_crash_point(rig: Rig) -> None:
+    """Four processes on one durable, each SIGKILLed by itself at one crash point on its first
+    message and started again by the "manager" loop below: no message applied twice; a message
+    whose consumer died inside its handler (the outcome unknown) is dead-lettered, never re-run."""
+    ids = [f"pay-{i}" for i in range(40)]
+    procs = {point: _start(rig, point) for point in CRASH_POINTS}
+    restarted: list[str] = []
+    try:
+        await asyncio.sleep(1.5)  # the processes connect
+        for message_id in ids:
+            await rig.publish({"Nats-Msg-Id": message_id})
+
+        async def settled() -> bool:
+            for point, proc in list(procs.items()):
+                if proc.poll() is not None:  # the manager: start a dead one again, without its crash
+                    restarted.append(point)
+                    procs[point] = _start(rig, None)
+            done = sum(1 for c in await rig.counts(ids) if c) + len(await rig.dead_letters())
+            return await rig.settled() and done >= len(ids)
+
+        await until(settled, 60)
+        await asyncio.sleep(ACK_WAIT + 0.5)  # a redelivery would show now
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait(10)
+    counts = dict(zip(ids, await rig.counts(ids), strict=True))
+    dead = await rig.dead_letters()
+    row = {"test": "nats_four_processes_crash_points", "messages": len(ids), "killed": sorted(restarted)}
+    row |= {"effects": sum(counts.values()), "dead_lettered": len(dead)}
+    report(row, tag="CONSUMER")
+    assert sorted(restarted) == sorted(CRASH_POINTS), "each process died once, at its crash point"
+    assert max(counts.values()) == 1, {i: c for i, c in counts.items() if c > 1}
+    assert {d["type"] for d in dead} <= {"io.nats.jetstream.advisory.v1.terminated"}
+    assert len(dead) <= 2, "only the two deaths inside a handler leave an outcome unknown"
+    assert sum(1 for c in counts.values() if c == 0) <= len(dead), "every other message was applied"
