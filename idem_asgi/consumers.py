@@ -181,9 +181,12 @@ async def _hold_while_store_down(attempt: Callable[[], Awaitable[Settle]], hold:
         "idem_asgi: the store cannot claim a message; holding it and retrying (backoff up to %gs)", _MAX_BACKOFF
     )
     while settle is Settle.STORE_DOWN:
-        if deadline is not None and time.monotonic() + delay > deadline:
-            return settle
-        await asyncio.sleep(delay * random.uniform(0.5, 1.0))  # jitter: held messages do not retry in step
+        pause = delay * random.uniform(0.5, 1.0)  # jitter: held messages do not retry in step
+        if deadline is not None:
+            if time.monotonic() >= deadline:
+                return settle
+            pause = min(pause, deadline - time.monotonic())
+        await asyncio.sleep(pause)
         delay = min(delay * 2, _MAX_BACKOFF)
         settle = await attempt()
     logger.info("idem_asgi: the store answers again; a held message was settled (%s)", settle.value)

@@ -452,3 +452,35 @@ async def test_only_a_claim_the_store_could_not_make_is_a_store_outage() -> None
     store.down = False
     assert await apply_once(store, "m-1", b"{}", handler, **common) is Settle.RETRY, "the handler's failure"
     assert ran == [1]
+
+
+async def test_a_delivery_held_past_store_hold_is_requeued(rig: Rig, tmp_path: Path) -> None:
+    """The hold is bounded (below RabbitMQ's consumer_timeout): after `store_hold` seconds of a
+    store that stays down, the delivery goes back to the queue, one delivery counted."""
+    seen: list[tuple[float, bool]] = []
+
+    async def handle(message: Any) -> None:
+        raise AssertionError("never runs: the store is down")
+
+    server = RedisProcess(tmp_path / "store")  # never started
+    store = RedisBackend.from_url(server.url, prefix=rig.prefix)
+    on_message = rabbitmq_handler(store, handle, namespace="payments", store_hold=0.5)
+
+    async def deliver(message: Any) -> None:
+        seen.append((time.monotonic(), bool(message.redelivered)))
+        await on_message(message)
+
+    channel = await rig.connection.channel()
+    await channel.set_qos(prefetch_count=1)
+    await (await channel.get_queue(rig.queue)).consume(deliver)
+    await rig.publish("pay-held")
+
+    async def redelivered() -> bool:
+        return len(seen) >= 2
+
+    await until(redelivered, 10)
+    await channel.close()
+    await store.aclose()
+    (first, _), (second, again) = seen[:2]
+    assert again, "handed back to the queue, then delivered again"
+    assert 0.4 <= second - first < 3.0, second - first
