@@ -11,10 +11,14 @@ running, and the redeliveries count toward `max_deliver`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import ConfigurationError
+
+logger = logging.getLogger("idem_asgi")
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,21 @@ class ConsumerBook:
         self._known: dict[tuple[str, str], asyncio.Future[ConsumerFacts]] = {}
 
     async def facts(self, msg: Any) -> ConsumerFacts:
+        """The message's consumer facts; a look-up JetStream did not answer is asked again (with
+        `in_progress()` before each retry, so the message is kept meanwhile), never raised into
+        the caller's fetch loop."""
+        delay = 0.1
+        while True:
+            try:
+                return await self._once(msg)
+            except Exception as exc:
+                logger.warning("idem_asgi: no consumer info for %r (%r); asking again", msg.metadata.consumer, exc)
+            with contextlib.suppress(Exception):
+                await msg.in_progress()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    async def _once(self, msg: Any) -> ConsumerFacts:
         name = (msg.metadata.stream, msg.metadata.consumer)
         known = self._known.get(name)
         if known is None:

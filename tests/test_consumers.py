@@ -27,7 +27,7 @@ from idem_asgi.errors import BackendUnavailable
 from idem_asgi.records import RecordKey
 from tests.support.scorecard import report
 from tests.support.servers import REDIS_URL, ROOT, RedisProcess, need_redis_server, require
-from tests.support.store_outage import FSYNC_ALWAYS, fsynced_redis, restart_when
+from tests.support.store_outage import FSYNC_ALWAYS, fsynced_redis, late_writes_landed, restart_when
 from tests.support.stores import Delegating
 
 AMQP = os.environ.get("IDEM_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
@@ -302,6 +302,7 @@ async def test_a_redis_restart_mid_stream_applies_every_message_once_and_dead_le
         await until(drained, 60)
         took = time.monotonic() - started
         await asyncio.sleep(0.5)  # a late duplicate would show now
+        await late_writes_landed(stores)
         for channel in channels:
             await channel.close()
         for store in stores:

@@ -17,6 +17,7 @@ from idem_asgi.backends.redis import RedisBackend
 from idem_asgi.consumers import rabbitmq_handler
 from tests.support.scorecard import report
 from tests.support.servers import redis_sentinel
+from tests.support.store_outage import late_writes_landed
 from tests.test_consumers import Rig, rig, until
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -67,6 +68,7 @@ async def test_a_sentinel_failover_mid_stream_applies_every_message_once_and_dea
         await until(drained, 90)
         took = time.monotonic() - started
         await asyncio.sleep(1.0)  # a late duplicate would show now
+        await late_writes_landed(stores)
         for channel in channels:
             await channel.close()
         for store in stores:

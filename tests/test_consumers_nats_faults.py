@@ -27,7 +27,7 @@ from idem_asgi.errors import ConfigurationError
 from tests.support.nats_server import nats_process
 from tests.support.scorecard import report
 from tests.support.servers import REDIS_URL, ROOT
-from tests.support.store_outage import fsynced_redis, restart_when
+from tests.support.store_outage import fsynced_redis, late_writes_landed, restart_when
 from tests.test_consumers_nats import ACK_WAIT, Consumer, Rig, rig, until
 
 pytestmark = [pytest.mark.redis]
@@ -66,6 +66,7 @@ async def test_a_redis_restart_mid_stream_applies_every_message_once_and_dead_le
             await until(drained, 60)
             took = time.monotonic() - started
             await asyncio.sleep(0.5)  # a late duplicate would show now
+            await late_writes_landed([first.store, second.store])
     counts = await rig.counts(ids)
     dead = await rig.dead_letters()
     deliveries = first.deliveries + second.deliveries

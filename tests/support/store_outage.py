@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from tests.support.servers import RedisProcess, redis_process
 
@@ -33,3 +34,19 @@ async def restart_when(
     server.kill()
     await asyncio.sleep(down)
     await asyncio.to_thread(server.start)
+
+
+async def late_writes_landed(stores: Sequence[Any], within: float = 35.0) -> None:
+    """Wait until no completion write the outage failed is still being retried in the background
+    (`idem_asgi.jobs` retries them for up to 30 s): closed before, a store's client would reopen
+    a connection for the retry and leak it."""
+    from idem_asgi import jobs
+
+    def pending() -> int:
+        return sum(late.pending for s in stores if (late := jobs._late.get(s)) is not None)
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while pending():
+        assert loop.time() < deadline, f"{pending()} completion writes still pending"
+        await asyncio.sleep(0.05)
