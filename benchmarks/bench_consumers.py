@@ -7,6 +7,9 @@ JetStream's own de-duplication lets them through) and consumed: every one is a d
 without running. The handler does nothing. Store calls are counted on the backend (claim,
 complete, ...): the contract's cost is 2 per new message (claim + complete) and 1 per duplicate.
 
+The RabbitMQ rows and the cost of a store outage (redeliveries, claim attempts) come from
+benchmarks/bench_consumers_outage.py.
+
     python -m benchmarks.bench_consumers              # 2000 messages, memory and Redis stores
     python -m benchmarks.bench_consumers --n 500 --json
 """
@@ -24,6 +27,7 @@ from typing import Any
 import nats
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
+from benchmarks.bench_consumers_outage import nats_outage, rabbitmq_outage, rabbitmq_row
 from idem_asgi.backends import Backend
 from idem_asgi.backends.memory import MemoryBackend
 from idem_asgi.backends.redis import RedisBackend
@@ -89,21 +93,34 @@ async def one(kind: str, n: int) -> dict[str, Any]:
         await connection.close()
 
 
-async def main_async(n: int, stores: list[str], as_json: bool) -> int:
+async def main_async(n: int, stores: list[str], as_json: bool, outage: float) -> int:
     rows = [await one(kind, n) for kind in ["bare ack", *stores]]
+    rows += [await rabbitmq_row(kind, n) for kind in ["bare ack", "redis"]]
+    outages = [await rabbitmq_outage(outage), await nats_outage(outage)] if outage > 0 else []
     if as_json:
-        for row in rows:
+        for row in rows + outages:
             print(json.dumps(row))
         return 0
-    print(f"{'store':<10} {'new µs/msg':>11} {'calls/msg':>10} {'duplicate µs/msg':>17} {'calls/msg':>10}")
+    columns = f"{'new µs/msg':>11} {'calls/msg':>10} {'duplicate µs/msg':>17} {'calls/msg':>10}"
+    print(f"{'broker':<9} {'store':<10} {columns}")
     for r in rows:
         calls = (f"{r.get('new_store_calls_per_msg', '-'):>10}", f"{r.get('duplicate_store_calls_per_msg', '-'):>10}")
-        print(f"{r['store']:<10} {r['new_us_per_msg']:>11} {calls[0]} {r['duplicate_us_per_msg']:>17} {calls[1]}")
-    bare = rows[0]
-    for r in rows[1:]:
-        extra = r["new_us_per_msg"] - bare["new_us_per_msg"]
-        dup = r["duplicate_us_per_msg"] - bare["duplicate_us_per_msg"]
-        print(f"{r['store']}: +{extra:.0f} µs per new message, +{dup:.0f} µs per duplicate, over a bare ack")
+        head = f"{r.get('broker', 'nats'):<9} {r['store']:<10}"
+        print(f"{head} {r['new_us_per_msg']:>11} {calls[0]} {r['duplicate_us_per_msg']:>17} {calls[1]}")
+    for broker in ("nats", "rabbitmq"):
+        mine = [r for r in rows if r.get("broker", "nats") == broker]
+        bare = mine[0]
+        for r in mine[1:]:
+            extra = r["new_us_per_msg"] - bare["new_us_per_msg"]
+            dup = r["duplicate_us_per_msg"] - bare["duplicate_us_per_msg"]
+            rates = f"{1e6 / bare['new_us_per_msg']:.0f} msg/s bare, {1e6 / r['new_us_per_msg']:.0f} msg/s new"
+            print(f"{broker} {r['store']}: +{extra:.0f} µs per new message, +{dup:.0f} µs per duplicate ({rates})")
+    for o in outages:
+        print(
+            f"{o['broker']}: store down {o['down_s']} s under {o['messages']} messages: {o['deliveries']} deliveries, "
+            f"{o['redelivered']} redelivered, {o['claim_attempts']} claim attempts, all {o['applied']} applied "
+            f"{o['drain_s']} s after the store started"
+        )
     return 0
 
 
@@ -112,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=2000)
     parser.add_argument("--stores", default="memory,redis")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--outage", type=float, default=2.0, help="seconds the store is down (0: skip)")
     args = parser.parse_args(argv)
-    return asyncio.run(main_async(args.n, args.stores.split(","), args.json))
+    return asyncio.run(main_async(args.n, args.stores.split(","), args.json, args.outage))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 once (effects counted by INCR in the shared Redis), and with IDEM_DIE_AFTER_STORE=1 SIGKILLs itself
 right after the first message's completion is stored, before its ack: the broker must redeliver it.
 With IDEM_DIE_IN_HANDLER=1 (NATS) it dies inside the handler instead, after the effect and before
-its record; IDEM_LEASE sets the claim's lease (seconds).
+its record; IDEM_LEASE sets the claim's lease (seconds). IDEM_DIE_AT (NATS) names one crash point
+for the first message: `receipt` (fetched, before its claim), `before_effect` (in the handler),
+`after_effect` (in the handler, after the effect) or `after_store` (its record stored, not acked).
 
     python -m tests.consumer_process rabbitmq <queue> <store prefix> <effect counter prefix>
     python -m tests.consumer_process nats <stream> <durable consumer> <store prefix> <effect counter prefix>
@@ -37,7 +39,14 @@ class DieAfterStore(Delegating):
 
 def store_for(prefix: str) -> Any:
     store: Any = RedisBackend.from_url(REDIS, prefix=prefix)
-    return DieAfterStore(store) if os.environ.get("IDEM_DIE_AFTER_STORE") == "1" else store
+    dying = os.environ.get("IDEM_DIE_AFTER_STORE") == "1" or os.environ.get("IDEM_DIE_AT") == "after_store"
+    return DieAfterStore(store) if dying else store
+
+
+def die_at(point: str) -> None:
+    """SIGKILL this process when IDEM_DIE_AT names `point`."""
+    if os.environ.get("IDEM_DIE_AT") == point:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 async def rabbitmq(queue_name: str, prefix: str, counter: str) -> None:
@@ -65,9 +74,11 @@ async def nats(stream: str, durable: str, prefix: str, counter: str) -> None:
     effects = aioredis.Redis.from_url(REDIS)
 
     async def handle(msg: Any) -> str:
+        die_at("before_effect")
         await effects.incr(counter + msg.headers["Nats-Msg-Id"])
         if os.environ.get("IDEM_DIE_IN_HANDLER") == "1":
             os.kill(os.getpid(), signal.SIGKILL)
+        die_at("after_effect")
         return "applied"
 
     connection = await nats_py.connect(NATS)
@@ -80,6 +91,7 @@ async def nats(stream: str, durable: str, prefix: str, counter: str) -> None:
         except FetchTimeout:
             continue
         for msg in messages:
+            die_at("receipt")
             await on_message(msg)
 
 

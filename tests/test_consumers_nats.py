@@ -109,13 +109,13 @@ class Consumer:
     """One competing consumer: its own connection and store, fetching batches from the shared
     durable pull consumer and settling each message through `nats_handler`, concurrently."""
 
-    def __init__(self, rig: Rig, handle: Any, **options: Any) -> None:
-        self.rig, self.handle, self.options = rig, handle, options
+    def __init__(self, rig: Rig, handle: Any, *, store_url: str = REDIS_URL, **options: Any) -> None:
+        self.rig, self.handle, self.options, self.store_url = rig, handle, options, store_url
         self.deliveries: list[tuple[str, int]] = []  # (key, num_delivered) of every message fetched
 
     async def __aenter__(self) -> Consumer:
         self.connection = await nats.connect(NATS)
-        self.store = RedisBackend.from_url(REDIS_URL, prefix=self.rig.prefix)
+        self.store = RedisBackend.from_url(self.store_url, prefix=self.rig.prefix)
         self.on_message = nats_handler(self.store, self.handle, **self.options)
         sub = await self.connection.jetstream().pull_subscribe_bind(durable=self.rig.durable, stream=self.rig.stream)
         self.task = asyncio.ensure_future(self.loop(sub))
