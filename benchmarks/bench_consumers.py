@@ -31,7 +31,7 @@ from benchmarks.bench_consumers_outage import nats_outage, rabbitmq_outage, rabb
 from idem_asgi.backends import Backend
 from idem_asgi.backends.memory import MemoryBackend
 from idem_asgi.backends.redis import RedisBackend
-from idem_asgi.consumers import nats_handler
+from idem_asgi.jobs.consumers import nats_handler
 from tests.support.servers import REDIS_URL
 from tests.support.stores import Counting
 

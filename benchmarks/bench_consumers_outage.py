@@ -24,7 +24,7 @@ from nats.errors import TimeoutError as FetchTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
 from idem_asgi.backends.redis import RedisBackend
-from idem_asgi.consumers import nats_handler, rabbitmq_handler
+from idem_asgi.jobs.consumers import nats_handler, rabbitmq_handler
 from tests.support.servers import REDIS_URL, RedisProcess
 from tests.support.stores import Counting
 

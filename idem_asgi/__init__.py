@@ -1,8 +1,7 @@
 """idem_asgi: a retried request has its effect once; every repeat gets the first answer back."""
 
 from .backends import Backend, backend_from_url
-from .context import IdempotencyInfo, current_idempotency, held_claim
-from .derived import event_id, intent_key
+from .claims.context import IdempotencyInfo, current_idempotency, held_claim
 from .errors import (
     BackendError,
     BackendMisconfigured,
@@ -12,13 +11,14 @@ from .errors import (
     InvalidScope,
     StoreFull,
 )
-from .fingerprint import Fields, JsonIgnoring, RawBody, custom
-from .keys import scope_from_header, scope_from_state, scope_from_token_hash, scope_from_user
-from .middleware import IdempotencyMiddleware, startup_check
-from .openapi import add_openapi
-from .policy import RoutePolicy
+from .http.derived import event_id, intent_key
+from .http.fingerprint import Fields, JsonIgnoring, RawBody, custom
+from .http.keys import scope_from_header, scope_from_state, scope_from_token_hash, scope_from_user
+from .http.middleware import IdempotencyMiddleware, startup_check
+from .http.openapi import add_openapi
+from .http.policy import RoutePolicy
+from .http.signatures import HmacScheme, SignatureMiddleware, StandardWebhooksScheme, StripeScheme
 from .records import Record, RecordKey, StaleRecord, StoredResponse
-from .signatures import HmacScheme, SignatureMiddleware, StandardWebhooksScheme, StripeScheme
 
 __all__ = [
     "Backend",

@@ -1,5 +1,5 @@
-"""`python -m idem_asgi ...` runs the `idem-asgi` command line (see `idem_asgi.cli`)."""
+"""`python -m idem_asgi ...` runs the `idem-asgi` command line (see `idem_asgi.ops.cli`)."""
 
-from .cli import main
+from .ops.cli import main
 
 raise SystemExit(main())

@@ -45,7 +45,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess by the tests
     raise missing_extra("idem_asgi.client needs httpx", "client") from exc
 
-from .problems import IN_PROGRESS, slug_of
+from .http.problems import IN_PROGRESS, slug_of
 
 __all__ = [
     "KEY_EXTENSION",

@@ -21,7 +21,7 @@ The tree::
     ├── OutcomeUnknown                  a call started and stopped without an outcome: reconcile it
     └── ResultNotStorable               the work ran, its result cannot be stored (kept outcome-unknown)
 
-HTTP clients see RFC 9457 problems instead (`idem_asgi.problems`).
+HTTP clients see RFC 9457 problems instead (`idem_asgi.http.problems`).
 """
 
 from __future__ import annotations

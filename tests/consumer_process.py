@@ -21,7 +21,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from idem_asgi.backends.redis import RedisBackend
-from idem_asgi.consumers import nats_handler, rabbitmq_handler
+from idem_asgi.jobs.consumers import nats_handler, rabbitmq_handler
 from idem_asgi.records import RecordKey, StoredResponse
 from tests.support.stores import Delegating
 

@@ -191,7 +191,7 @@ async def test_postgres_transaction_used_twice_or_nested_commits_under_one_claim
     from starlette.responses import PlainTextResponse
     from starlette.routing import Route
 
-    from idem_asgi import problems
+    from idem_asgi.http import problems
     from tests.support.problems import assert_problem
     from tests.support.stores import make_backend
 
@@ -337,7 +337,7 @@ async def test_logs_never_carry_a_raw_scope_or_a_resolvers_secret(caplog: pytest
 
     from idem_asgi import scope_from_header
     from idem_asgi.observe import LogObserver
-    from idem_asgi.reconcile import reconcile
+    from idem_asgi.ops.reconcile import reconcile
     from idem_asgi.records import RecordKey
 
     api_key = "sk_live_51HxQ2eLkdIwHu7ixlZ3k9Qmz"
@@ -462,7 +462,7 @@ async def test_cli_exit_codes_are_the_same_for_bad_credentials_on_every_store(tm
 
     import redis.asyncio as aioredis
 
-    from idem_asgi.cli import run
+    from idem_asgi.ops.cli import run
     from tests.support.servers import POSTGRES_DSN, redis_process, require
 
     require("postgres", POSTGRES_DSN)
@@ -481,7 +481,7 @@ async def test_cli_exit_codes_are_the_same_for_bad_credentials_on_every_store(tm
 
 
 async def test_cli_refuses_a_non_utf8_key_and_a_negative_older_than(capsys: pytest.CaptureFixture[str]) -> None:
-    from idem_asgi.cli import run
+    from idem_asgi.ops.cli import run
 
     assert await run(["--backend", "memory://", "inspect", "caf\udce9"]) == 2
     assert "not valid UTF-8" in capsys.readouterr().err
@@ -506,7 +506,7 @@ async def stuck(backend: Any, namespace: str, name: str, ttl: float = 600) -> An
 
 
 async def test_reconcile_never_resurrects_a_claim_gone_since_the_listing(backend: Any, namespace: str) -> None:
-    from idem_asgi.reconcile import reconcile
+    from idem_asgi.ops.reconcile import reconcile
     from idem_asgi.records import StoredResponse
 
     key, token = await stuck(backend, namespace, "gone-1")
@@ -540,7 +540,7 @@ async def test_reconcile_never_resurrects_a_claim_gone_since_the_listing(backend
 async def test_two_concurrent_release_runs_count_one_release(backend: Any, namespace: str) -> None:
     import asyncio
 
-    from idem_asgi.reconcile import reconcile
+    from idem_asgi.ops.reconcile import reconcile
 
     key, _ = await stuck(backend, namespace, "rel-1")
     listed = await backend.stale(0, namespace=namespace)
@@ -564,7 +564,7 @@ async def test_two_concurrent_release_runs_count_one_release(backend: Any, names
 async def test_reconcile_keeps_a_resolved_answer_for_the_records_own_ttl(backend: Any, namespace: str) -> None:
     import time
 
-    from idem_asgi.reconcile import reconcile
+    from idem_asgi.ops.reconcile import reconcile
     from idem_asgi.records import COMPLETED, StoredResponse
 
     key, _ = await stuck(backend, namespace, "ttl-1", ttl=3 * 86_400)  # a route with a 3-day TTL
@@ -577,7 +577,7 @@ async def test_reconcile_keeps_a_resolved_answer_for_the_records_own_ttl(backend
 
 @pytest.mark.postgres
 async def test_the_cli_shows_the_postgres_checkpoint(namespace: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from idem_asgi.cli import run
+    from idem_asgi.ops.cli import run
     from tests.support.servers import POSTGRES_DSN
     from tests.support.stores import make_backend
 

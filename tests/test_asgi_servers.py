@@ -30,7 +30,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from idem_asgi import problems
+from idem_asgi.http import problems
 from tests.support.asgi_servers import HTTP2, SERVERS, AsgiServer
 from tests.support.servers import POSTGRES_DSN, get_health, redis_process, require
 

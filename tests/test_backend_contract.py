@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis.asyncio as aioredis
 
-from idem_asgi._decide import Action, decide
 from idem_asgi.backends import Backend, Maintenance
 from idem_asgi.backends.postgres import PostgresBackend
 from idem_asgi.backends.redis import RedisBackend
+from idem_asgi.claims.decide import Action, decide
 from idem_asgi.records import COMPLETED, IN_PROGRESS, Claimed, Existing, RecordKey, StaleRecord, StoredResponse
 from tests.support.pgbouncer import pgbouncer
 from tests.support.servers import REDIS_URL, redis_cluster, redis_sentinel, require

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from idem_asgi._decide import Action, decide
 from idem_asgi.backends import MemoryBackend
+from idem_asgi.claims.decide import Action, decide
 from idem_asgi.errors import BackendUnavailable, ConfigurationError, StoreFull
 from idem_asgi.records import COMPLETED, Claimed, Existing, RecordKey, StoredResponse
 

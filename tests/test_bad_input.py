@@ -32,9 +32,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from idem_asgi import IdempotencyMiddleware, RawBody, RoutePolicy, problems
+from idem_asgi import IdempotencyMiddleware, RawBody, RoutePolicy
 from idem_asgi.backends import MemoryBackend
-from idem_asgi.keys import scope_from_header
+from idem_asgi.http import problems
+from idem_asgi.http.keys import scope_from_header
 from idem_asgi.records import COMPLETED, RecordKey
 from tests.support.asgi import Result, drive, http_scope, messages_of
 from tests.support.hostile import Charge, Recorder, Store, contract_key, open_store, status_of

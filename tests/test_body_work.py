@@ -12,13 +12,13 @@ import anyio
 import httpx
 import pytest
 
-import idem_asgi._fields
-import idem_asgi.fingerprint
+import idem_asgi.http.fields
+import idem_asgi.http.fingerprint
 from idem_asgi import Fields, IdempotencyMiddleware, RoutePolicy, custom
 from idem_asgi._types import Message, Receive, Scope, Send
 from idem_asgi.backends import Backend
-from idem_asgi.fingerprint import OFFLOAD_BYTES
-from idem_asgi.problems import SCOPE_REQUIRED
+from idem_asgi.http.fingerprint import OFFLOAD_BYTES
+from idem_asgi.http.problems import SCOPE_REQUIRED
 from tests.support.asgi import Result, http_scope
 from tests.support.charges import Payments
 from tests.support.problems import assert_problem
@@ -66,14 +66,14 @@ async def test_another_route_is_answered_while_a_large_body_is_fingerprinted(
     decoding = threading.Event()
     health_answered = threading.Event()
     released_by_health: list[bool] = []
-    decode = idem_asgi._fields.json_decode
+    decode = idem_asgi.http.fields.json_decode
 
     def held_decode(body: bytes) -> Any:
         decoding.set()
         released_by_health.append(health_answered.wait(5))
         return decode(body)
 
-    monkeypatch.setattr(idem_asgi.fingerprint, "json_decode", held_decode)  # what Fields calls
+    monkeypatch.setattr(idem_asgi.http.fingerprint, "json_decode", held_decode)  # what Fields calls
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["path"] == "/health":

@@ -9,8 +9,8 @@ from idem_asgi.backends import Backend, Checkable, KeyForms, Maintenance, Memory
 from idem_asgi.backends.postgres import PostgresBackend
 from idem_asgi.backends.redis import RedisBackend
 from idem_asgi.errors import ConfigurationError
-from idem_asgi.middleware import check_store
-from idem_asgi.reconcile import reconcile
+from idem_asgi.http.middleware import check_store
+from idem_asgi.ops.reconcile import reconcile
 from tests.support.stores import Delegating
 
 

@@ -23,7 +23,7 @@ import pytest
 from idem_asgi.backends import Backend
 from idem_asgi.backends.postgres import PostgresBackend
 from idem_asgi.backends.redis import RedisBackend
-from idem_asgi.cli import main, run
+from idem_asgi.ops.cli import main, run
 from idem_asgi.records import COMPLETED, Claimed, RecordKey, StoredResponse
 from idem_asgi.transform import unseal
 from tests.support.servers import POSTGRES_DSN, REDIS_URL, free_port, require
@@ -101,7 +101,7 @@ def hook_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str
         textwrap.dedent(
             f"""
             from idem_asgi.records import StoredResponse
-            from idem_asgi.reconcile import is_dry_run
+            from idem_asgi.ops.reconcile import is_dry_run
 
             asked = []
             dry = []  # what is_dry_run() said at each call
@@ -332,16 +332,16 @@ async def test_migrate_print_needs_no_connection(capsys: pytest.CaptureFixture[s
             "hook module 'no_such_module_xyz' not found",
         ),
         (
-            ["--backend", "memory://", "reconcile", "--hook", "idem_asgi.reconcile:no_such_function"],
-            "hook module 'idem_asgi.reconcile' has no 'no_such_function'",
+            ["--backend", "memory://", "reconcile", "--hook", "idem_asgi.ops.reconcile:no_such_function"],
+            "hook module 'idem_asgi.ops.reconcile' has no 'no_such_function'",
         ),
         (
-            ["--backend", "memory://", "reconcile", "--hook", "idem_asgi.reconcile"],
-            "--hook must be MODULE:FUNCTION, got 'idem_asgi.reconcile'",
+            ["--backend", "memory://", "reconcile", "--hook", "idem_asgi.ops.reconcile"],
+            "--hook must be MODULE:FUNCTION, got 'idem_asgi.ops.reconcile'",
         ),
         (
-            ["--backend", "memory://", "reconcile", "--hook", "idem_asgi.reconcile:logger"],
-            "hook 'idem_asgi.reconcile:logger' is not callable",
+            ["--backend", "memory://", "reconcile", "--hook", "idem_asgi.ops.reconcile:logger"],
+            "hook 'idem_asgi.ops.reconcile:logger' is not callable",
         ),
     ],
 )
@@ -474,8 +474,8 @@ async def test_jobs_records_are_listed_and_resolved_by_the_tools(
 ) -> None:
     """A job that failed after its effect is a stuck claim like a request's: `stale` lists it,
     `reconcile` stores what the provider says happened, and the next call returns that."""
-    from idem_asgi.jobs import OutcomeUnknown, current_job, idempotent, stored_result
-    from idem_asgi.reconcile import ReconcilableBackend, reconcile
+    from idem_asgi.jobs.decorator import OutcomeUnknown, current_job, idempotent, stored_result
+    from idem_asgi.ops.reconcile import ReconcilableBackend, reconcile
 
     runs: list[str] = []
 

@@ -28,7 +28,7 @@ from idem_asgi._types import Receive, Scope, Send
 from idem_asgi.backends import Backend, MemoryBackend
 from idem_asgi.client import IdempotentRetrySyncTransport, IdempotentRetryTransport, was_replayed
 from idem_asgi.errors import BackendUnavailable
-from idem_asgi.problems import DEFAULT_PROBLEM_BASE
+from idem_asgi.http.problems import DEFAULT_PROBLEM_BASE
 from idem_asgi.records import ClaimResult, RecordKey
 from tests.support.asgi import read_body
 from tests.support.faultproxy import FaultProxy
@@ -443,7 +443,7 @@ def test_settings_are_checked_up_front() -> None:
 def test_httpx_is_only_needed_by_the_client() -> None:
     code = (
         "import sys\n"
-        "import idem_asgi, idem_asgi.backends, idem_asgi.middleware\n"
+        "import idem_asgi, idem_asgi.backends, idem_asgi.http.middleware\n"
         "assert 'httpx' not in sys.modules, 'the middleware imported httpx'\n"
         "sys.modules['httpx'] = None\n"
         "try:\n"

@@ -9,9 +9,10 @@ from collections import Counter
 
 import httpx
 
-from idem_asgi import IdempotencyMiddleware, RoutePolicy, problems
+from idem_asgi import IdempotencyMiddleware, RoutePolicy
 from idem_asgi._types import Receive, Scope, Send
 from idem_asgi.backends import Backend
+from idem_asgi.http import problems
 from tests.support.asgi import read_body
 
 

@@ -1,4 +1,4 @@
-"""RabbitMQ consumers apply each message once (`idem_asgi.consumers.rabbitmq_handler`), against the
+"""RabbitMQ consumers apply each message once (`idem_asgi.jobs.consumers.rabbitmq_handler`), against the
 real broker on this machine (127.0.0.1:5672) and the shared Redis as the store; effects are counted
 by INCR in Redis, outside the adapter. Each test has its own quorum queue (`x-delivery-limit` 3) and
 dead-letter queue, deleted afterwards."""
@@ -22,8 +22,8 @@ import redis.asyncio as aioredis
 
 from idem_asgi.backends.memory import MemoryBackend
 from idem_asgi.backends.redis import RedisBackend
-from idem_asgi.consumers import Settle, apply_once, body_digest, rabbitmq_handler
 from idem_asgi.errors import BackendUnavailable
+from idem_asgi.jobs.consumers import Settle, apply_once, body_digest, rabbitmq_handler
 from idem_asgi.records import RecordKey
 from tests.support.scorecard import report
 from tests.support.servers import REDIS_URL, ROOT, RedisProcess, need_redis_server, require

@@ -18,7 +18,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from idem_asgi.backends.redis import RedisBackend
-from idem_asgi.consumers import rabbitmq_handler
+from idem_asgi.jobs.consumers import rabbitmq_handler
 from tests.support.rabbitmq_node import RabbitNode, rabbitmq_node
 from tests.support.scorecard import report
 from tests.support.servers import REDIS_URL, require

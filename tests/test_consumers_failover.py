@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from idem_asgi.backends.redis import RedisBackend
-from idem_asgi.consumers import rabbitmq_handler
+from idem_asgi.jobs.consumers import rabbitmq_handler
 from tests.support.scorecard import report
 from tests.support.servers import redis_sentinel
 from tests.support.store_outage import late_writes_landed

@@ -1,4 +1,4 @@
-"""NATS JetStream consumers apply each message once (`idem_asgi.consumers.nats_handler`), against
+"""NATS JetStream consumers apply each message once (`idem_asgi.jobs.consumers.nats_handler`), against
 the real server on this machine (127.0.0.1:4222, JetStream on) and the shared Redis as the store;
 effects are counted by INCR in Redis, outside the adapter. Each test has its own stream, a durable
 pull consumer (`ack_wait` 2 s, `max_deliver` 3) and a dead-letter stream that keeps JetStream's
@@ -24,8 +24,8 @@ from nats.errors import TimeoutError as FetchTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
 from idem_asgi.backends.redis import RedisBackend
-from idem_asgi.consumers import nats_handler
-from idem_asgi.jobs import current_job
+from idem_asgi.jobs.consumers import nats_handler
+from idem_asgi.jobs.decorator import current_job
 from tests.support.scorecard import report
 from tests.support.servers import REDIS_URL, ROOT, require
 

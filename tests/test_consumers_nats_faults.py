@@ -22,8 +22,8 @@ import redis.asyncio as aioredis
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
 from idem_asgi.backends.redis import RedisBackend
-from idem_asgi.consumers import nats_handler
 from idem_asgi.errors import ConfigurationError
+from idem_asgi.jobs.consumers import nats_handler
 from tests.support.nats_server import nats_process
 from tests.support.scorecard import report
 from tests.support.servers import REDIS_URL, ROOT

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from idem_asgi._decide import Action, decide
+from idem_asgi.claims.decide import Action, decide
 from idem_asgi.records import COMPLETED, IN_PROGRESS, Claimed, Existing, Record, State, StoredResponse
 
 FP = b"fingerprint-a"

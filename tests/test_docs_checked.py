@@ -169,7 +169,7 @@ def test_the_postgres_pages_ddl_is_what_migrate_prints(
 ) -> None:
     """docs/postgres.md shows the schema `idem-asgi migrate --print` prints, every column the code
     creates (a column added to the DDL without the page fails here: paste the command's output)."""
-    from idem_asgi import cli
+    from idem_asgi.ops import cli
 
     page = (ROOT / "docs" / "postgres.md").read_text()
     found = re.search(r"```bash\n(idem-asgi migrate --print[^\n]*)\n```\n\n```sql\n(.*?)```", page, re.S)

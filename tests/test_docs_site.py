@@ -33,7 +33,8 @@ from urllib.parse import urldefrag, urljoin, urlsplit
 
 import pytest
 
-from idem_asgi import IdempotencyMiddleware, problem_pages, problems
+from idem_asgi import IdempotencyMiddleware
+from idem_asgi.http import problem_pages, problems
 from tests.support.servers import ROOT, missing
 
 CHROMIUM = os.environ.get("IDEM_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
@@ -248,7 +249,7 @@ def test_the_readmes_links_land_on_the_site(built: Path) -> None:
 
 
 REFERENCE = {"": "api", "backends": "api/backends", "client": "api/client", "jobs": "api/jobs"}
-REFERENCE |= {"consumers": "api/consumers", "testing": "api/testing"}
+REFERENCE |= {"jobs.consumers": "api/consumers", "testing": "api/testing"}
 """Module (under idem_asgi) -> its reference page."""
 
 

@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 from idem_asgi import IdempotencyMiddleware, RoutePolicy
 from idem_asgi.backends.redis import RedisBackend
 from idem_asgi.errors import BackendUnavailable, ConfigurationError
-from idem_asgi.problems import STORE_UNAVAILABLE
+from idem_asgi.http.problems import STORE_UNAVAILABLE
 from idem_asgi.records import Claimed, RecordKey, StoredResponse
 from tests.support.asgi import drive, http_scope
 from tests.support.faultproxy import StoreProxy

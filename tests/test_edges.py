@@ -37,14 +37,14 @@ from idem_asgi import (
     add_openapi,
     current_idempotency,
     event_id,
-    problems,
     scope_from_header,
     scope_from_user,
 )
 from idem_asgi._types import Message, Receive, Scope, Send
 from idem_asgi.backends import Backend, MemoryBackend
 from idem_asgi.errors import BackendUnavailable, InvalidScope
-from idem_asgi.keys import MAX_SCOPE_LENGTH, stored_scope
+from idem_asgi.http import problems
+from idem_asgi.http.keys import MAX_SCOPE_LENGTH, stored_scope
 from idem_asgi.records import COMPLETED, IN_PROGRESS, ClaimResult, RecordKey
 from tests.support.asgi import Result, drive, http_scope, read_body
 from tests.support.problems import assert_problem

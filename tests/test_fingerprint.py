@@ -11,7 +11,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from idem_asgi.fingerprint import FingerprintRule, JsonIgnoring, RawBody, custom
+from idem_asgi.http.fingerprint import FingerprintRule, JsonIgnoring, RawBody, custom
 
 methods = st.text(string.ascii_uppercase, min_size=1, max_size=8)
 paths = st.text(min_size=1, max_size=40).map(lambda p: "/" + p)

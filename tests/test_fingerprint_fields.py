@@ -11,11 +11,11 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-import idem_asgi._fields
+import idem_asgi.http.fields
 from idem_asgi import Fields
 from idem_asgi.backends import Backend
 from idem_asgi.errors import ConfigurationError
-from idem_asgi.problems import FINGERPRINT_MISMATCH
+from idem_asgi.http.problems import FINGERPRINT_MISMATCH
 from tests.support.charges import Payments, post, protect
 from tests.support.fields_rule import FORM, FloatText, dumps, form_equal, json_equal, json_loads, render_path
 from tests.support.problems import assert_problem
@@ -373,7 +373,7 @@ def test_form_fingerprints_are_equal_exactly_when_the_documented_rule_says(data:
 def test_a_form_larger_than_a_slice_is_read_like_a_small_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """Large forms are matched in pieces of whole fields (~64 KiB; 40 bytes here, so that pieces
     end everywhere): whichever field a piece starts or ends with, it is neither lost nor split."""
-    monkeypatch.setattr(idem_asgi._fields, "_SLICE", 40)
+    monkeypatch.setattr(idem_asgi.http.fields, "_SLICE", 40)
     only: list[tuple[Any, ...]] = [("amount",), ("items", None, "price")]
     ignore: list[tuple[Any, ...]] = [("items", 1, "price")]
     rule = Fields(only=["amount", "items[].price"], ignore=["items[1].price"])

@@ -35,10 +35,11 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from idem_asgi import IdempotencyMiddleware, RoutePolicy, problems
+from idem_asgi import IdempotencyMiddleware, RoutePolicy
 from idem_asgi._types import Message, Receive, Scope, Send
 from idem_asgi.backends import MemoryBackend
-from idem_asgi.keys import scope_from_header
+from idem_asgi.http import problems
+from idem_asgi.http.keys import scope_from_header
 from idem_asgi.records import COMPLETED, IN_PROGRESS, RecordKey
 from tests.support.asgi import Result, drive, http_scope, messages_of, read_body
 from tests.support.hostile import Charge, Recorder, Store, open_store

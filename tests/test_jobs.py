@@ -10,11 +10,12 @@ from typing import Any
 
 import pytest
 
-from idem_asgi import _late_writes, jobs
 from idem_asgi.backends import Backend
-from idem_asgi.consumers import Settle, apply_once
+from idem_asgi.claims import late_writes as _late_writes
 from idem_asgi.errors import BackendUnavailable, ConfigurationError
-from idem_asgi.jobs import InProgress, KeyReused, OutcomeUnknown, claim, current_job, idempotent
+from idem_asgi.jobs import decorator as jobs
+from idem_asgi.jobs.consumers import Settle, apply_once
+from idem_asgi.jobs.decorator import InProgress, KeyReused, OutcomeUnknown, claim, current_job, idempotent
 from idem_asgi.observe import Event, fan_out
 from idem_asgi.records import COMPLETED, IN_PROGRESS, RecordKey, StoredResponse
 from tests.support.stores import Delegating

@@ -12,11 +12,11 @@ import pytest
 
 from idem_asgi import current_idempotency
 from idem_asgi.backends import Backend, MemoryBackend
-from idem_asgi.consumers import Settle, apply_once
 from idem_asgi.errors import ConfigurationError
-from idem_asgi.jobs import InProgress, OutcomeUnknown, claim, current_job, idempotent, stored_result
+from idem_asgi.jobs.consumers import Settle, apply_once
+from idem_asgi.jobs.decorator import InProgress, OutcomeUnknown, claim, current_job, idempotent, stored_result
 from idem_asgi.observe import Counters
-from idem_asgi.reconcile import reconcile
+from idem_asgi.ops.reconcile import reconcile
 from idem_asgi.records import Claimed, Existing, RecordKey, StaleRecord
 from tests.support.stores import Counting
 

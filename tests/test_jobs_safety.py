@@ -18,11 +18,11 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from idem_asgi import current_idempotency
-from idem_asgi._job_args import args_key, fingerprint
 from idem_asgi.backends import Backend, MemoryBackend
-from idem_asgi.consumers import Settle, apply_once
 from idem_asgi.errors import ConfigurationError
-from idem_asgi.jobs import (
+from idem_asgi.jobs.args import args_key, fingerprint
+from idem_asgi.jobs.consumers import Settle, apply_once
+from idem_asgi.jobs.decorator import (
     InProgress,
     JobError,
     KeyReused,

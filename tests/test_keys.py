@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from idem_asgi.errors import MalformedKey
-from idem_asgi.keys import (
+from idem_asgi.http.keys import (
     MAX_KEY_LENGTH,
     parse_key,
     scope_from_header,

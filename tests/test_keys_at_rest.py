@@ -13,7 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from idem_asgi.backends import Backend
-from idem_asgi.cli import run
+from idem_asgi.ops.cli import run
 from idem_asgi.records import Claimed, Existing, RecordKey, StoredResponse
 from tests.support.servers import POSTGRES_DSN, REDIS_URL, require
 from tests.support.stores import SHARED, make_backend

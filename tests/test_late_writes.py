@@ -18,9 +18,10 @@ from typing import Any
 
 import pytest
 
-from idem_asgi import IdempotencyMiddleware, RoutePolicy, _late_writes
+from idem_asgi import IdempotencyMiddleware, RoutePolicy
 from idem_asgi._types import Receive, Scope, Send
 from idem_asgi.backends import MemoryBackend
+from idem_asgi.claims import late_writes as _late_writes
 from idem_asgi.errors import BackendUnavailable
 from idem_asgi.observe import Event
 from idem_asgi.records import COMPLETED, IN_PROGRESS, Claimed, RecordKey, StoredResponse

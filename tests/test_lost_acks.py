@@ -91,7 +91,7 @@ REDIS_CASES = [
     case("complete_reply_lost_reset_twice", "complete", "drop_reply_reset", 2, "first", "completed"),
     # The completion never reached the store: the client got its answer, the claim is kept (never
     # released: the effect happened) and the middleware writes the answer again in the background
-    # (idem_asgi/_late_writes.py): retries get 409 in progress meanwhile, then replays.
+    # (idem_asgi/claims/late_writes.py): retries get 409 in progress meanwhile, then replays.
     case("complete_request_lost_twice", "complete", "reset_before", 2, "first", "completed"),
     case("blackhole_1s", "all", "blackhole", 1, "503", "completed"),
     case("delay_100ms", "all", "delay", 1, "first", "completed"),

@@ -3,7 +3,7 @@
 The middleware runs in process; its store connections go through `StoreProxy`, which partitions
 them for 3 s right as the app answers "nothing happened, retry" (a 503, or an exception before the
 answer). The release meets the partition and fails; the middleware retries it in the background
-(idem_asgi/_late_writes.py), and once the store is back it lands: the client's next retry runs the
+(idem_asgi/claims/late_writes.py), and once the store is back it lands: the client's next retry runs the
 handler. Before, the key stayed in progress, then outcome-unknown, for the whole TTL. The proxy
 sits in front of the shared servers: a blackhole drops our own connections' bytes, nothing else.
 """

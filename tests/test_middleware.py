@@ -23,20 +23,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from idem_asgi import (
-    IdempotencyMiddleware,
-    JsonIgnoring,
-    RawBody,
-    RoutePolicy,
-    StoredResponse,
-    current_idempotency,
-    problems,
-)
+from idem_asgi import IdempotencyMiddleware, JsonIgnoring, RawBody, RoutePolicy, StoredResponse, current_idempotency
 from idem_asgi._types import Message, Receive, Scope, Send
 from idem_asgi.backends import Backend, MemoryBackend
-from idem_asgi.context import IdempotencyInfo
+from idem_asgi.claims.context import IdempotencyInfo
 from idem_asgi.errors import ConfigurationError
-from idem_asgi.keys import scope_from_header
+from idem_asgi.http import problems
+from idem_asgi.http.keys import scope_from_header
 from idem_asgi.records import COMPLETED, IN_PROGRESS, Record, RecordKey
 from tests.support.asgi import drive, http_scope, read_body
 from tests.support.charges import BODY, KEY, LEASE, Payments, crash_first_request, post, protect, rk

@@ -82,8 +82,8 @@ from idem_asgi import IdempotencyMiddleware, RoutePolicy, current_idempotency
 from idem_asgi._types import Receive, Scope, Send
 from idem_asgi.backends import Backend, MemoryBackend
 from idem_asgi.errors import BackendUnavailable
-from idem_asgi.keys import scope_from_header
-from idem_asgi.problems import slug_of
+from idem_asgi.http.keys import scope_from_header
+from idem_asgi.http.problems import slug_of
 from idem_asgi.records import IN_PROGRESS, Claimed, ClaimResult, RecordKey, StoredResponse
 from tests.support.asgi import Result, drive, http_scope, read_body
 from tests.support.scorecard import report

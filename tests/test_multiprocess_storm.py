@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from idem_asgi import problems
+from idem_asgi.http import problems
 from tests.support.servers import POSTGRES_DSN, REDIS_URL, UvicornProcess, require
 from tests.support.stores import SHARED
 

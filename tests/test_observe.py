@@ -13,7 +13,7 @@ from idem_asgi import IdempotencyMiddleware, RoutePolicy
 from idem_asgi._types import Receive, Scope, Send
 from idem_asgi.backends import MemoryBackend
 from idem_asgi.errors import BackendUnavailable
-from idem_asgi.fingerprint import RawBody
+from idem_asgi.http.fingerprint import RawBody
 from idem_asgi.observe import Counters, Event, LogObserver, fan_out, otel_observer, prometheus_observer
 from idem_asgi.records import ClaimResult, RecordKey
 

@@ -27,9 +27,9 @@ import pytest
 from idem_asgi import IdempotencyMiddleware, RoutePolicy
 from idem_asgi._types import Receive, Scope, Send
 from idem_asgi.backends.postgres import PostgresBackend
-from idem_asgi.context import held_claim
+from idem_asgi.claims.context import held_claim
 from idem_asgi.errors import BackendMisconfigured
-from idem_asgi.middleware import check_store
+from idem_asgi.http.middleware import check_store
 from idem_asgi.records import Claimed, RecordKey
 from tests.support.failover import assert_failover_kept_the_contract, run_storm
 from tests.support.pgbouncer import pgbouncer

@@ -13,9 +13,9 @@ from idem_asgi import IdempotencyMiddleware, RoutePolicy, current_idempotency
 from idem_asgi._types import Receive, Scope, Send
 from idem_asgi.backends import MemoryBackend
 from idem_asgi.errors import ConfigurationError
-from idem_asgi.keys import scope_from_header
-from idem_asgi.policy import seconds
-from idem_asgi.routing import compile_path
+from idem_asgi.http.keys import scope_from_header
+from idem_asgi.http.policy import seconds
+from idem_asgi.http.routing import compile_path
 from tests.support.asgi import drive, http_scope
 
 

@@ -17,12 +17,13 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Mount, Route
 
-from idem_asgi import IdempotencyMiddleware, RoutePolicy, problem_pages, problems
+from idem_asgi import IdempotencyMiddleware, RoutePolicy
 from idem_asgi.backends import Backend, MemoryBackend
 from idem_asgi.errors import BackendMisconfigured, BackendUnavailable, ConfigurationError
-from idem_asgi.keys import scope_from_header
+from idem_asgi.http import problem_pages, problems
+from idem_asgi.http.keys import scope_from_header
+from idem_asgi.http.signatures import SignatureMiddleware, StripeScheme
 from idem_asgi.records import RecordKey
-from idem_asgi.signatures import SignatureMiddleware, StripeScheme
 from tests.support.charges import BODY, KEY, LEASE, Payments, crash_first_request
 from tests.support.problems import assert_problem
 from tests.support.signing import SECRET, sign_stripe

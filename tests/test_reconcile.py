@@ -11,11 +11,11 @@ from typing import Literal
 
 import pytest
 
-from idem_asgi import problems
 from idem_asgi.backends import Backend
 from idem_asgi.backends.redis import RedisBackend
-from idem_asgi.context import held_claim
-from idem_asgi.reconcile import (
+from idem_asgi.claims.context import held_claim
+from idem_asgi.http import problems
+from idem_asgi.ops.reconcile import (
     ReconcilableBackend,
     ReconcileItem,
     ReconcileReport,
@@ -234,7 +234,7 @@ async def test_a_resolver_finds_a_digest_only_claim_by_its_key_among_candidates(
 
 
 def test_reconcile_prints_a_digest_only_claim_as_stale_does() -> None:
-    from idem_asgi._cli_output import item_label, key_label
+    from idem_asgi.ops.cli_output import item_label, key_label
 
     key = RecordKey.hashed("idem", RecordKey.build("idem", "t", "k").digest)
     item = ReconcileItem(key.namespace, key.scope, key.key, 1, 0.0, "completed", "", key.digest)

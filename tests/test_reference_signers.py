@@ -18,7 +18,7 @@ from standardwebhooks import Webhook
 from idem_asgi import IdempotencyMiddleware, RoutePolicy, StandardWebhooksScheme, StripeScheme, event_id
 from idem_asgi.backends import Backend
 from idem_asgi.errors import ConfigurationError
-from idem_asgi.signatures import SIGNATURE_INVALID, SIGNATURE_MALFORMED, SignatureMiddleware
+from idem_asgi.http.signatures import SIGNATURE_INVALID, SIGNATURE_MALFORMED, SignatureMiddleware
 from tests.support.asgi import drive, http_scope
 from tests.support.problems import assert_problem
 from tests.test_signatures import Recorder

@@ -15,7 +15,7 @@ from starlette.requests import HTTPConnection
 
 from idem_asgi import IdempotencyMiddleware, RoutePolicy, scope_from_user
 from idem_asgi.backends import Backend
-from idem_asgi.problems import SCOPE_REQUIRED
+from idem_asgi.http.problems import SCOPE_REQUIRED
 from tests.support.charges import Payments
 from tests.support.problems import assert_problem
 

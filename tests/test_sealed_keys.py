@@ -16,8 +16,8 @@ import redis.asyncio as aioredis
 
 from idem_asgi.backends.postgres import PostgresBackend
 from idem_asgi.backends.redis import RedisBackend
-from idem_asgi.cli import run
 from idem_asgi.errors import ConfigurationError
+from idem_asgi.ops.cli import run
 from idem_asgi.records import RecordKey
 from idem_asgi.sealed_keys import ENV_SECRET, KeySeal, is_sealed
 from tests.support.servers import POSTGRES_DSN, REDIS_URL, require

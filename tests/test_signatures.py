@@ -13,11 +13,11 @@ from typing import Any
 import httpx
 import pytest
 
-from idem_asgi import ConfigurationError, IdempotencyMiddleware, RoutePolicy, event_id, problems
+from idem_asgi import ConfigurationError, IdempotencyMiddleware, RoutePolicy, event_id
 from idem_asgi._types import Message, Receive, Scope, Send
 from idem_asgi.backends import MemoryBackend
-from idem_asgi.records import RecordKey
-from idem_asgi.signatures import (
+from idem_asgi.http import problems
+from idem_asgi.http.signatures import (
     SIGNATURE_INVALID,
     SIGNATURE_MALFORMED,
     HmacScheme,
@@ -27,6 +27,7 @@ from idem_asgi.signatures import (
     SignatureMiddleware,
     StripeScheme,
 )
+from idem_asgi.records import RecordKey
 from tests.support.asgi import Result, drive, http_scope, read_body
 from tests.support.problems import assert_problem
 from tests.support.signing import SECRET, sign_stripe

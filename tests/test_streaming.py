@@ -15,9 +15,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from idem_asgi import IdempotencyMiddleware, RoutePolicy, problems
+from idem_asgi import IdempotencyMiddleware, RoutePolicy
 from idem_asgi._types import ASGIApp, Message, Receive, Scope, Send
 from idem_asgi.backends import Backend
+from idem_asgi.http import problems
 from idem_asgi.records import COMPLETED, IN_PROGRESS, RecordKey
 from tests.support.asgi import Result, drive, http_scope, read_body
 from tests.support.problems import assert_problem

@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from idem_asgi import IdempotencyMiddleware, RoutePolicy
-from idem_asgi._request import Protected
 from idem_asgi._types import ASGIApp, Message, Receive, Scope, Send
 from idem_asgi.backends import MemoryBackend
+from idem_asgi.http.request import Protected
 from idem_asgi.records import Claimed, RecordKey, StoredResponse
 from idem_asgi.testing import FAULTS, find_middleware, storm
 

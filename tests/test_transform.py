@@ -14,7 +14,7 @@ from cryptography.fernet import Fernet
 from idem_asgi import IdempotencyMiddleware, RoutePolicy
 from idem_asgi.backends import Backend
 from idem_asgi.errors import ConfigurationError
-from idem_asgi.problems import STORE_MISCONFIGURED
+from idem_asgi.http.problems import STORE_MISCONFIGURED
 from idem_asgi.transform import EncryptBody, unseal
 from tests.support.charges import post, rk
 from tests.support.problems import assert_problem
@@ -81,7 +81,7 @@ def test_a_transform_without_both_methods_is_refused() -> None:
 
 
 async def test_reconciled_answers_go_through_the_same_transform(backend: Backend, namespace: str) -> None:
-    from idem_asgi.reconcile import reconcile
+    from idem_asgi.ops.reconcile import reconcile
     from idem_asgi.records import Claimed, StoredResponse
 
     secret = Fernet.generate_key()

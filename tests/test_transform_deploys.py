@@ -15,7 +15,7 @@ from cryptography.fernet import Fernet, MultiFernet
 
 from idem_asgi import IdempotencyMiddleware, RoutePolicy
 from idem_asgi.backends import Backend
-from idem_asgi.problems import STORE_MISCONFIGURED
+from idem_asgi.http.problems import STORE_MISCONFIGURED
 from idem_asgi.records import StoredResponse
 from idem_asgi.transform import AnswerTransform, EncryptBody
 from tests.support.charges import KEY, LEASE, Payments, crash_first_request, post, rk
@@ -129,7 +129,7 @@ async def test_reconciled_answers_carry_the_marker_and_replay_under_the_apps_tra
 ) -> None:
     """`reconcile` with the app's transform seals what it stores; without one it stores the answer in clear,
     marked so: the app, which seals, replays both (it was 500 `store-misconfigured` for the clear one)."""
-    from idem_asgi.reconcile import reconcile
+    from idem_asgi.ops.reconcile import reconcile
 
     app = Payments(hang_first=True)
     transform = sealing(Fernet.generate_key())

@@ -22,10 +22,10 @@ import pytest
 import redis.asyncio as aioredis
 
 from idem_asgi import IdempotencyMiddleware, RoutePolicy
-from idem_asgi._waiting import Waiters
 from idem_asgi.backends import Backend
 from idem_asgi.backends.postgres import PostgresBackend
 from idem_asgi.backends.redis import RedisBackend
+from idem_asgi.claims.waiting import Waiters
 from tests.support.pay import Payments, post
 from tests.support.servers import POSTGRES_DSN, RedisProcess, require, wait_until
 from tests.support.stores import TEST_TABLE, Counting

@@ -48,8 +48,8 @@ from idem_asgi import (
     backend_from_url,
     scope_from_header,
 )
-from idem_asgi.policy import TRANSIENT_STATUSES
-from idem_asgi.signatures import Headers, SignatureInvalid, SignatureMalformed
+from idem_asgi.http.policy import TRANSIENT_STATUSES
+from idem_asgi.http.signatures import Headers, SignatureInvalid, SignatureMalformed
 
 from .orders import (
     Order,

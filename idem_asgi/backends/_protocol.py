@@ -10,7 +10,7 @@ middleware, `reconcile`, the CLI), never at each call:
 
 - `Checkable`: `check()`, run at lifespan start-up.
 - `Watchable`: `watch()`, so a held repeat in another process is told when a claim ends (Redis).
-- `Maintenance`: `stale()` and `purge()`, for the ops tools (`idem_asgi.reconcile`, `idem-asgi`).
+- `Maintenance`: `stale()` and `purge()`, for the ops tools (`idem_asgi.ops.reconcile`, `idem-asgi`).
 - `KeyForms`: raw keys recorded, kept or rewritten to digests (`idem-asgi migrate`).
 """
 

@@ -25,19 +25,19 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import anyio
 
-from .._decide import Action, decide
 from .._logging import store_failed, throttled
 from ..backends._protocol import Watchable
 from ..errors import BackendMisconfigured
 from ..observe import Event, EventName, Observer
 from ..records import ClaimResult, Existing, Record, RecordKey, StoredResponse
+from .decide import Action, decide
 from .recovery import Outcome, resolve
 
 if TYPE_CHECKING:
-    from .._late_writes import LateWrites
-    from .._leases import Leases
-    from .._waiting import Waiters
     from ..backends import Backend
+    from .late_writes import LateWrites
+    from .leases import Leases
+    from .waiting import Waiters
 
 logger = logging.getLogger("idem_asgi")
 
@@ -330,7 +330,7 @@ class ClaimSession:
         self.emit(("unresolved" if keep else "released") if done else "lease_lost", status)
 
     def _emitter(self, status: int | None) -> Callable[[EventName], None]:
-        """`emit` for a write made later (idem_asgi._late_writes), with this claim's key and status."""
+        """`emit` for a write made later (idem_asgi.claims.late_writes), with this claim's key and status."""
         observer, terms, rkey = self.rt.observer, self.terms, self.rkey
         if observer is None:
             return _ignored

@@ -17,9 +17,9 @@ from urllib.parse import unquote
 
 from .._types import ASGIApp, Message, Receive, Scope, Send
 from ..backends import Backend
-from ..middleware import IdempotencyMiddleware
-from ..policy import DEFAULT_EXCLUDED_HEADERS
-from ..problems import slug_of
+from ..http.middleware import IdempotencyMiddleware
+from ..http.policy import DEFAULT_EXCLUDED_HEADERS
+from ..http.problems import slug_of
 from ..records import RecordKey, StoredResponse
 from .inject import FailingStore, InjectedAppFailure, InjectedStoreFailure, fire, not_injected
 from .report import Answer, KeyReport

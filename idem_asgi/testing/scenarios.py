@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-from ..middleware import IdempotencyMiddleware
+from ..http.middleware import IdempotencyMiddleware
 from .driver import Storm, changed, plural, summary, unexpected
 from .report import Answer, KeyReport, StormReport
 

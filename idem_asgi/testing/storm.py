@@ -9,7 +9,7 @@ from typing import Any
 
 from .._types import ASGIApp
 from ..backends import Backend
-from ..middleware import IdempotencyMiddleware
+from ..http.middleware import IdempotencyMiddleware
 from .driver import Probe, Storm, StormRequest
 from .report import StormReport
 from .scenarios import FAULTS, SCENARIOS, configure, per_process, storm_key

@@ -6,7 +6,7 @@ import types
 from collections.abc import Iterator, Mapping
 from typing import Any, Final, cast
 
-from ..middleware import IdempotencyMiddleware
+from ..http.middleware import IdempotencyMiddleware
 
 _WALK_LIMIT: Final = 200_000
 _ATOMS: Final = (str, bytes, bytearray, int, float, complex, bool, type(None), type, types.ModuleType)

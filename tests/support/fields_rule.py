@@ -1,6 +1,6 @@
 """The rule `Fields` documents, written out plainly and slowly: the oracle of the property tests.
 
-Nothing here is shared with `idem_asgi._fields`: JSON is read with the standard library (floats as
+Nothing here is shared with `idem_asgi.http.fields`: JSON is read with the standard library (floats as
 their text), form bodies are decoded byte by byte, and paths are followed node by node.
 """
 

@@ -5,7 +5,7 @@
   through `Store.run` on one event loop that lives as long as the store: the Redis and
   Postgres pools are opened once and reused by every example.
 - `Recorder`: a proxy over a backend that logs every call, proving a refusal cost no store call.
-- `contract_key`: the contract's key rule written out again, independently of `idem_asgi.keys`.
+- `contract_key`: the contract's key rule written out again, independently of `idem_asgi.http.keys`.
 - `Charge`: a raw ASGI app that counts executions and echoes what it received.
 - `status_of`: an answer's status, or None when the client left before any.
 

@@ -11,7 +11,7 @@ from collections import Counter
 from typing import Any
 
 from idem_asgi._types import Receive, Scope, Send
-from idem_asgi.problems import slug_of
+from idem_asgi.http.problems import slug_of
 from tests.support.asgi import drive, http_scope
 
 

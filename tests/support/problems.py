@@ -7,7 +7,7 @@ from typing import Any
 
 import httpx
 
-from idem_asgi.problems import DEFAULT_PROBLEM_BASE, ProblemType
+from idem_asgi.http.problems import DEFAULT_PROBLEM_BASE, ProblemType
 from tests.support.asgi import Result
 
 

@@ -38,7 +38,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from idem_asgi.problems import slug_of
+from idem_asgi.http.problems import slug_of
 from tests.support.asgi import Result, drive, http_scope
 from tests.support.servers import POSTGRES_DSN, REDIS_URL
 

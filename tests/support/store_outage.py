@@ -38,9 +38,9 @@ async def restart_when(
 
 async def late_writes_landed(stores: Sequence[Any], within: float = 35.0) -> None:
     """Wait until no completion write the outage failed is still being retried in the background
-    (`idem_asgi.jobs` retries them for up to 30 s): closed before, a store's client would reopen
+    (`idem_asgi.jobs.decorator` retries them for up to 30 s): closed before, a store's client would reopen
     a connection for the retry and leak it."""
-    from idem_asgi import jobs
+    from idem_asgi.jobs import decorator as jobs
 
     def pending() -> int:
         return sum(shared.late.pending for s in stores if (shared := jobs._shared.get(s)) is not None)

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
-from ...context import ClaimHandle, current_idempotency
+from ...claims.context import ClaimHandle, current_idempotency
 from ...errors import ClaimLost, ConfigurationError
 from ._lean import LeanPool, broken_by
 

@@ -1,0 +1,1 @@
+"""The ASGI adapter: the middleware, its routes and policies, keys, fingerprints, problem answers."""

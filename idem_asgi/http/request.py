@@ -1,0 +1,369 @@
+"""One protected request, from its key to its answer: the ASGI adapter of the claim core.
+
+read the key, find the scope -> read the body -> derive the key -> claim -> decide ->
+run (capturing the answer) / replay / refuse.
+
+The HTTP steps (key, body, scope, capture, replay, problem answers) live here; claiming,
+waiting, recovering, renewing and settling are the core's (`claims.session.ClaimSession`, which
+`Protected` is). Everything about one request lives on one `Protected` object, built over the
+middleware's frozen `HttpRuntime`; it is also the `ClaimHandle` handlers reach through
+`IdempotencyInfo` (to mark an effect, or for `PostgresBackend.transaction()` to find the claim).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Container
+from dataclasses import dataclass
+from email.utils import formatdate
+from typing import Final, Literal
+
+import anyio
+
+from .._logging import redact, throttled
+from .._types import ASGIApp, Message, Receive, Scope, Send
+from ..claims.context import STATE_KEY, IdempotencyInfo, enter, leave
+from ..claims.decide import Action, decide
+from ..claims.session import ClaimSession, Runtime
+from ..errors import BackendMisconfigured, StoreFull
+from ..records import Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
+from ..transform import AnswerTransform, seal, unseal
+from . import problems
+from .admission import Refused, parsed_key, request_scope, sentence
+from .asgi import (
+    HIDDEN_EXTENSIONS,
+    TooLarge,
+    length_over,
+    read_body,
+    replaying,
+    run_unclaimed,
+)
+from .capture import Capture
+from .fingerprint import digest
+from .keys import route_key
+from .routing import Route, route_path
+
+logger = logging.getLogger("idem_asgi")
+
+
+@dataclass(frozen=True, slots=True)
+class HttpRuntime(Runtime):
+    """What every protected request of one middleware shares: the core's runtime, plus the app and
+    what its answers and refusals are made of. The middleware builds a new one when its store or
+    app is swapped; a request keeps the one it started with."""
+
+    app: ASGIApp
+    namespace: str
+    fail_open: bool
+    transform: AnswerTransform | None
+    replay_header: tuple[bytes, bytes]
+    problem_base: str
+
+
+class Protected(ClaimSession):
+    """The state and steps of one request on a protected route: the ASGI adapter of a claim session."""
+
+    __slots__ = ("body", "key", "owner", "receive", "route", "scope", "send")
+    rt: HttpRuntime
+
+    def __init__(self, rt: HttpRuntime, route: Route, scope: Scope, receive: Receive, send: Send) -> None:
+        ClaimSession.__init__(self, rt, route)
+        self.route = route
+        self.scope = scope
+        self.receive = receive
+        self.send = send
+        self.key = ""
+        self.owner: str | None = None
+        self.body = b""
+
+    # -- the steps --------------------------------------------------------------------------------
+
+    async def handle(self) -> None:
+        """Answer the request: pass it through, refuse it, replay the stored answer, or run the app once."""
+        try:
+            if not await self._prepare():
+                return
+            route, rkey = self.route, self.rkey
+            assert rkey is not None
+            try:  # (the store's own call, not `self.claim()`: one coroutine less on the hot path)
+                result = await self.rt.store.claim(rkey, self.fingerprint, lease=route.lease, ttl=route.ttl)
+            except Exception as exc:
+                await self._claim_failed(exc)  # refuses, or (fail-open) runs the app unclaimed
+                return
+            if result.__class__ is Claimed:  # a new key: the usual case, decided without `decide`
+                if self.rt.observer is not None:
+                    self.emit("claimed")
+                await self._run(result.token)
+            else:
+                await self._act(result)
+        except Refused as refusal:
+            if refusal.event is not None:
+                self.emit(refusal.event, refusal.problem.status)
+            await problems.send_problem(
+                self.send,
+                refusal.problem,
+                refusal.detail,
+                retry_after=refusal.retry_after,
+                base=problems.located(self.rt.problem_base, self.scope),
+            )
+
+    async def _prepare(self) -> bool:
+        """Read the key, the scope and the body. False when the request was passed through or ended."""
+        route, scope = self.route, self.scope
+        raw: bytes | None = None
+        count = 0
+        length: bytes | None = None
+        name = route.header
+        for k, v in scope["headers"]:  # one pass: the key header, and the declared length
+            if k == name:
+                raw = v
+                count += 1
+            elif k == b"content-length":
+                length = v
+        given = parsed_key(route, raw, count) if count else None
+        if given is None and route.key_source is None:
+            if route.required:
+                raise Refused(problems.KEY_REQUIRED, f"This operation requires an {route.header_name} header.")
+            await self.rt.app(scope, self.receive, self.send)
+            return False
+        # The scope needs no body: a request that names nobody is refused before any body work.
+        stored_owner, self.owner = request_scope(route, scope)
+        limit = route.max_body
+        if length is not None and length_over(length, limit):
+            raise self._too_large()
+        hasher = route.fingerprint.begin(scope)
+        message = await self.receive()
+        if message["type"] == "http.request" and not message.get("more_body", False):
+            body = message.get("body", b"")  # the whole body in one message: the usual case
+            if len(body) > limit:
+                raise self._too_large()
+            hasher.update(body)
+        else:
+            try:
+                body = await read_body(self.receive, limit, hasher.update, first=message)
+            except TooLarge:
+                raise self._too_large() from None
+            if body is None:
+                return False  # the client left before anything was claimed
+        self.body = body
+        self.fingerprint = await digest(hasher, len(body))
+        if route.key_source is None:
+            assert given is not None
+            self.key = stored = given
+        else:
+            derived = route.key_source(scope, body, given)
+            if derived is None:
+                if route.required:
+                    raise Refused(
+                        problems.KEY_REQUIRED, "This operation needs the fields its idempotency key is made of."
+                    )
+                await self.rt.app(scope, replaying(body, self.receive), self.send)
+                return False
+            # A derived key lives in its route's own key space: never a header key's, nor another route's.
+            self.key = derived
+            stored = route_key(scope["method"], route_path(scope), derived)
+        self.rkey = RecordKey.build(self.rt.namespace, stored_owner, stored)
+        return True
+
+    async def _claim_failed(self, exc: Exception) -> None:
+        """The claim raised: refuse (503, 429, 500 raise `Refused`), or with fail-open run the app unclaimed."""
+        route = self.route
+        if isinstance(exc, StoreFull):
+            self.emit("store_error")
+            problem = problems.KEY_QUOTA if exc.scope_quota else problems.STORE_UNAVAILABLE
+            raise Refused(problem, sentence(str(exc)), retry_after=route.retry_after, event=None) from None
+        self.store_failed("claim failed", exc)
+        if self.rt.fail_open:
+            receive = replaying(self.body, self.receive)
+            await run_unclaimed(self.rt.app, self.scope, receive, self.send, self.key, self.owner)
+            return
+        raise self._store_refusal(exc) from None
+
+    async def _act(self, result: ClaimResult) -> None:
+        """Decide what the claim's outcome means (waiting, recovering), then run, replay or refuse."""
+        route = self.route
+        if isinstance(result, Existing) and decide(result, self.fingerprint) is Action.REPLAY:
+            self.emit("replayed")  # the usual repeat, answered without the core's loop
+            stored = result.record.response
+            assert stored is not None
+            await self._replay(self._opened(stored), result.record.expires_at)
+            return
+        try:
+            action, outcome = await self.decided(result, self._recover)
+        except Refused:
+            raise
+        except Exception as exc:  # a store call of the recovery failed
+            self.store_failed("takeover failed", exc)
+            raise self._store_refusal(exc) from None
+        if action is Action.RUN:
+            assert isinstance(outcome, Claimed)
+            await self._run(outcome.token)
+        elif action is Action.REPLAY:
+            if isinstance(outcome, StoredResponse):  # handed over by its holder, or recovered: just now
+                await self._replay(self._opened(outcome), time.time() + route.ttl)
+            else:
+                assert isinstance(outcome, Existing) and outcome.record.response is not None
+                await self._replay(self._opened(outcome.record.response), outcome.record.expires_at)
+        elif action is Action.MISMATCH:
+            raise Refused(problems.FINGERPRINT_MISMATCH, event=None)
+        elif action is Action.IN_PROGRESS:
+            raise Refused(problems.IN_PROGRESS, retry_after=route.retry_after, event=None)
+        elif action is Action.EXPIRED:
+            raise Refused(problems.OUTCOME_UNKNOWN, event="outcome_unknown")
+        else:
+            raise Refused(problems.NOT_STORED, event=None)
+
+    async def _recover(self, record: Record) -> StoredResponse | Literal["run"] | None:
+        """An expired lease: the route's recover hook says what happened (or `reclaim` runs it again)."""
+        route, rkey = self.route, self.rkey
+        assert rkey is not None
+        if route.recover is not None:
+            try:
+                outcome = await route.recover(rkey, record)
+            except Exception as exc:  # its text may carry a provider's key or token
+                logger.warning(
+                    "idem_asgi: recover hook failed for key %r: %s: %s", rkey.key, type(exc).__name__, redact(str(exc))
+                )
+                logger.debug("idem_asgi: recover hook traceback", exc_info=exc)
+                return None
+            return self._sealed(outcome) if isinstance(outcome, StoredResponse) else outcome
+        if route.on_expired == "reclaim" and not (record.holder_failed or record.effect_committed):
+            return "run"  # the holder vanished (crash, stall); a holder that failed mid-answer is never re-run
+        return None
+
+    async def _run(self, token: int) -> None:
+        """Run the app once under the claim, streaming its answer while capturing it."""
+        route = self.route
+        self.begin(token)
+        send = self.send if not route.advertise_expiry else _expiring(self.send, route.ttl, route.release_statuses)
+        capture = Capture(
+            send, self.receive, self.body, self._on_final, excluded=route.excluded, limit=route.max_stored_body
+        )
+        info = IdempotencyInfo(self.key, self.owner, self)
+        entered = enter(info)
+        try:
+            await self.rt.app(self._app_scope(info), capture.receive, capture)
+        except Exception:
+            if not capture.finished:
+                with anyio.CancelScope(shield=True):
+                    await self._unfinished(capture, cancelled=False)
+            raise
+        except BaseException:
+            if not capture.finished:
+                with anyio.CancelScope(shield=True):
+                    await self._unfinished(capture, cancelled=True)
+            raise
+        finally:
+            leave(entered)
+            info._claim = None  # no cycle request <-> info: freed by refcount, not by the GC
+            if self._active:
+                self.stop()
+            capture.wake()
+        if not capture.finished:
+            await self._unfinished(capture, cancelled=False)
+
+    def _app_scope(self, info: IdempotencyInfo) -> Scope:
+        """The scope the app sees: the same `state` dict (shared with outer middleware), extensions hidden."""
+        scope = self.scope
+        state = scope.get("state")
+        if state is None:
+            state = scope["state"] = {}
+        state[STATE_KEY] = info
+        extensions = scope.get("extensions")
+        if extensions and any(e in extensions for e in HIDDEN_EXTENSIONS):
+            # Hiding pathsend/zerocopysend makes every body byte pass through `send`, so it is stored.
+            scope = {**scope, "extensions": {k: v for k, v in extensions.items() if k not in HIDDEN_EXTENSIONS}}
+        return scope
+
+    async def _on_final(self, response: StoredResponse) -> None:
+        """The app sent its whole answer: store it (or release the claim), before its last chunk goes out."""
+        self.stop()
+        if response.status in self.route.release_statuses:
+            await self.end(response.status, keep=self.effect)
+            return
+        try:
+            sealed = self._sealed(response)
+        except Exception as exc:  # the client still gets its answer; the claim stays, as after a failed write
+            self.ended(None)
+            self.emit("store_error", response.status)
+            key = self.key
+            throttled(logging.ERROR, f"idem_asgi: the answer transform failed; key {key!r} not stored: {exc!r}")
+            return
+        await self.complete(sealed, response.status)
+
+    async def _unfinished(self, capture: Capture, *, cancelled: bool) -> None:
+        """The app raised, was cancelled, or returned without finishing its answer.
+
+        The answer had started (or an effect was marked): the operation may have happened, so a
+        retry must never run it again; the record ends outcome-unknown at once. Cancelled before
+        anything was answered: like a crash, the claim is kept and its lease ends."""
+        self.stop()
+        status = capture.status if capture.started else None
+        keep = self.effect or (capture.started and capture.status not in self.route.release_statuses)
+        await self.end(status, keep=keep, release=not cancelled)
+
+    def _sealed(self, response: StoredResponse) -> StoredResponse:
+        """The answer as the store keeps it (the middleware's `transform`, marked sealed)."""
+        return seal(self.rt.transform, response)
+
+    def _opened(self, response: StoredResponse) -> StoredResponse:
+        """A stored answer as it is replayed; a sealed one this server cannot open is a misconfiguration."""
+        if not response.sealed:
+            return response  # stored in clear (also before the transform was turned on): as it was stored
+        try:
+            return unseal(self.rt.transform, response)
+        except Exception as exc:
+            throttled(logging.ERROR, f"idem_asgi: the answer transform cannot read a stored answer: {exc!r}")
+            raise Refused(
+                problems.STORE_MISCONFIGURED, "A stored answer cannot be read with this server's transform."
+            ) from None
+
+    async def _replay(self, response: StoredResponse, expires_at: float) -> None:
+        """Send the stored answer verbatim, marked as a replay (and, if asked, when it expires)."""
+        headers = list(response.headers)
+        headers.append(self.rt.replay_header)
+        if self.route.advertise_expiry:
+            headers.append(_expires(expires_at))
+        trailers = response.trailers
+        trail = trailers is not None and "http.response.trailers" in (self.scope.get("extensions") or {})
+        start = {"type": "http.response.start", "status": response.status, "headers": headers}
+        if trail:
+            start["trailers"] = True
+        await self.send(start)
+        await self.send({"type": "http.response.body", "body": response.body, "more_body": False})
+        if trail:
+            await self.send({"type": "http.response.trailers", "headers": list(trailers or ()), "more_trailers": False})
+
+    # -- refusals ---------------------------------------------------------------------------------
+
+    def _too_large(self) -> Refused:
+        limit = self.route.max_body
+        return Refused(problems.BODY_TOO_LARGE, f"The request body exceeds this route's limit of {limit} bytes.")
+
+    def _store_refusal(self, exc: Exception) -> Refused:
+        if isinstance(exc, BackendMisconfigured):
+            return Refused(problems.STORE_MISCONFIGURED, event=None)
+        return Refused(problems.STORE_UNAVAILABLE, retry_after=self.route.retry_after, event=None)
+
+
+EXPIRES_HEADER: Final = b"idempotency-expires"
+
+
+def _expires(at: float) -> tuple[bytes, bytes]:
+    return EXPIRES_HEADER, formatdate(at, usegmt=True).encode("ascii")
+
+
+def _expiring(send: Send, ttl: float, released: Container[int]) -> Send:
+    """`send`, adding when the stored answer will expire to the answer's start (not to what is stored).
+
+    Only to an answer that is stored: one with a releasing status (5xx, 429, ...) leaves nothing to
+    replay, and its client must not be told the server keeps its key.
+    """
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start" and message["status"] not in released:
+            message = {**message, "headers": [*message.get("headers", ()), _expires(time.time() + ttl)]}
+        await send(message)
+
+    return sending

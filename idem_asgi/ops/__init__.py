@@ -1,0 +1,1 @@
+"""The operator's tools: the `idem-asgi` command line and `reconcile`."""
