@@ -28,6 +28,7 @@ import inspect
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Literal, Protocol, TypeAlias
 
 import anyio
@@ -185,12 +186,11 @@ async def reconcile(
     stale = await backend.stale(older_than, limit, namespace=namespace)
     report = ReconcileReport(examined=len(stale), dry_run=dry_run)
     slots = anyio.Semaphore(concurrency)
+    run = _Run(backend, resolve, ttl, lease, dry_run, transform)
 
     async def one(s: StaleRecord) -> None:
         async with slots:
-            action, detail = await _resolve_one(
-                backend, resolve, s, ttl=ttl, lease=lease, dry_run=dry_run, transform=transform
-            )
+            action, detail = await _resolve_one(run, s)
         _count(report, s, action, detail)
 
     told = _DRY_RUN.set(dry_run)  # the resolvers' tasks inherit it: `is_dry_run()`
@@ -214,18 +214,22 @@ def _count(report: ReconcileReport, s: StaleRecord, action: Action, detail: str)
     log("idem_asgi: reconcile %s key=%r scope=%r: %s %s", k.namespace, k.key, k.scope, action, detail)
 
 
-async def _resolve_one(
-    backend: ReconcilableBackend,
-    resolve: Resolver,
-    s: StaleRecord,
-    *,
-    ttl: float | None,
-    lease: float,
-    dry_run: bool,
-    transform: AnswerTransform | None = None,
-) -> tuple[Action, str]:
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """What every claim of one `reconcile` run is resolved with."""
+
+    backend: ReconcilableBackend
+    resolve: Resolver
+    ttl: float | None
+    lease: float
+    dry_run: bool
+    transform: AnswerTransform | None
+
+
+async def _resolve_one(run: _Run, s: StaleRecord) -> tuple[Action, str]:
+    backend, ttl, lease, dry_run = run.backend, run.ttl, run.lease, run.dry_run
     try:
-        outcome = resolve(s)
+        outcome = run.resolve(s)
         if inspect.isawaitable(outcome):
             outcome = await outcome
     except Exception as exc:
@@ -253,7 +257,7 @@ async def _resolve_one(
         return "skipped", "its TTL is not stored (an older record): pass ttl= (--ttl) to store an answer"
     try:
         if isinstance(outcome, StoredResponse):
-            outcome = seal(transform, outcome)  # marked, so the app opens it with its own transform
+            outcome = seal(run.transform, outcome)  # marked, so the app opens it with its own transform
         return await _apply(backend, s, outcome, ttl=keep or lease, lease=lease)
     except Exception as exc:
         logger.warning("idem_asgi: reconcile could not write the outcome for key %r: %s", s.key.key, exc)
