@@ -21,6 +21,7 @@ from typing import Any
 import asyncpg
 
 from ...records import RecordKey
+from .._listeners import Listeners
 from ._setup import Setup
 from ._sql import Statements
 
@@ -35,14 +36,12 @@ def channel_of(table: str) -> str:
     return "idem_" + hashlib.sha256(table.encode()).hexdigest()[:24]
 
 
-class Notices:
+class Notices(Listeners):
     def __init__(self, dsn: str, channel: str, timeout: float) -> None:
+        super().__init__()
         self._dsn = dsn
         self._channel = channel
         self._timeout = timeout
-        self._listeners: list[Callable[[str | None], None]] = []
-        self._task: asyncio.Task[None] | None = None
-        self._ready: asyncio.Event | None = None
         self.connection: Any = None  # the listening connection, while it is up (tests cut it)
         # Claims (digest, token) this process has marked watched and not yet heard end: the next
         # repeat held on one needs no row update (many repeats held on one key make one).
@@ -84,21 +83,6 @@ class Notices:
         finally:
             del self._marking[(digest, token)]
 
-    async def listen(self, on_change: Callable[[str | None], None], timeout: float) -> bool:
-        """Call `on_change(digest)` for every notified end (`None` when notices were interrupted);
-        True once listening (within `timeout`)."""
-        if on_change not in self._listeners:
-            self._listeners.append(on_change)
-        if self._task is None or self._task.done():
-            self._ready = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._run(self._ready))
-        assert self._ready is not None
-        try:
-            await asyncio.wait_for(self._ready.wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
-
     async def _run(self, ready: asyncio.Event) -> None:
         delay = 0.1
         while True:
@@ -135,18 +119,7 @@ class Notices:
             self._watched.clear()
         else:
             self._watched.pop(digest, None)
-        for listener in self._listeners:
-            try:
-                listener(digest)
-            except Exception:  # pragma: no cover - the middleware's listener does not raise
-                logger.exception("idem_asgi: a notice listener failed")
-
-    async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
+        super()._tell_all(digest)
 
 
 class Watching(Setup):

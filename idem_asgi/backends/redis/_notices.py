@@ -12,39 +12,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from redis import exceptions as redis_errors
 
+from .._listeners import Listeners
+
 logger = logging.getLogger("idem_asgi")
 
 
-class Notices:
+class Notices(Listeners):
     def __init__(self, client: Any, channel: bytes) -> None:
+        super().__init__()
         self._client = client
         self._channel = channel
-        self._listeners: list[Callable[[str | None], None]] = []
-        self._task: asyncio.Task[None] | None = None
-        self._ready: asyncio.Event | None = None
-        self._refused = False
-
-    async def listen(self, on_change: Callable[[str | None], None], timeout: float) -> bool:
-        """Call `on_change(digest)` for every published end (`None` when notices were interrupted);
-        True once subscribed (within `timeout`)."""
-        if self._refused:
-            return False
-        if on_change not in self._listeners:
-            self._listeners.append(on_change)
-        if self._task is None or self._task.done():
-            self._ready = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._run(self._ready))
-        assert self._ready is not None
-        try:
-            await asyncio.wait_for(self._ready.wait(), timeout)
-        except TimeoutError:
-            return False
-        return not self._refused
 
     async def _run(self, ready: asyncio.Event) -> None:
         delay = 0.1
@@ -83,17 +64,3 @@ class Notices:
 
     def _tell(self, name: bytes) -> None:
         self._tell_all(name[-65:-1].decode("ascii", "replace"))  # the key is `{prefix}{<digest>}`
-
-    def _tell_all(self, digest: str | None) -> None:
-        for listener in self._listeners:
-            try:
-                listener(digest)
-            except Exception:  # pragma: no cover - the middleware's listener does not raise
-                logger.exception("idem_asgi: a notice listener failed")
-
-    async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
