@@ -615,13 +615,15 @@ async def valgrind_mode(args: argparse.Namespace) -> int:
                   f"{bare / per_request:>7.2f}{target:>8}")  # fmt: skip
         print()
         for case, goal in INSTRUCTION_TARGETS.items():
-            ours, bare = counts.get(("memory", case)), counts.get(("bare", case))
+            ours, bare, floor = counts.get(("memory", case)), counts.get(("bare", case)), counts.get(("floor", case))
             if ours is None or bare is None:
                 continue
-            floor = counts.get(("floor", case))
-            beside = f"; the capture floor adds {floor - bare:,.0f}" if floor is not None else ""
-            met = "met" if ours - bare <= goal else "MISSED"
-            print(f"target memory {case} middleware instructions/request: {ours - bare:,.0f} "
+            # A new key's own cost is ours over the bare app; a replay runs no app, so its own cost
+            # is read over the capture floor's replay (which runs none either).
+            base, over = (bare, "the bare app") if case == "new-key" or floor is None else (floor, "the capture floor")
+            beside = f"; the capture floor adds {floor - bare:,.0f} over the bare app" if floor is not None else ""
+            met = "met" if ours - base <= goal else "MISSED"
+            print(f"target memory {case} middleware instructions/request (over {over}): {ours - base:,.0f} "
                   f"(goal <= {goal:,}{beside}) {met}")  # fmt: skip
     return 0
 
