@@ -40,7 +40,7 @@ import hiredis
 from redis import exceptions as redis_errors
 
 from ._replies import error as _error
-from ._url import lean_settings
+from ._url import Address, lean_settings
 
 
 def _pack(args: tuple[Any, ...]) -> bytes:
@@ -202,23 +202,15 @@ class RespPool:
 
     def __init__(
         self,
+        address: Address,
         *,
-        host: str = "127.0.0.1",
-        port: int = 6379,
-        path: str | None = None,
-        username: str | None = None,
-        password: str | None = None,
-        db: int = 0,
         timeout: float = 2.0,
         connect_timeout: float | None = None,
         max_connections: int = 256,
     ) -> None:
-        self.host = host
-        self.port = port
-        self.path = path
-        self.username = username
-        self.password = password
-        self.db = db
+        self.address = address
+        self.host, self.port, self.path = address.host, address.port, address.path
+        self.username, self.password, self.db = address.username, address.password, address.db
         self.timeout = timeout
         self.connect_timeout = timeout if connect_timeout is None else connect_timeout
         self.max_connections = max_connections
@@ -268,7 +260,7 @@ class RespPool:
         kwargs = pool.connection_kwargs
         call = kwargs.get("socket_timeout") or timeout
         return cls(
-            **settings,
+            Address(**settings),
             timeout=call,
             connect_timeout=kwargs.get("socket_connect_timeout") or call,
             max_connections=min(max_connections, pool.max_connections),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Final
 
 from redis.asyncio.connection import Connection, UnixDomainSocketConnection
@@ -114,3 +115,15 @@ def check_options(pool: Any) -> None:
             f"redis: unsupported connection option(s) {', '.join(map(repr, unknown))} in the URL or options "
             f"(redis-py's {pool.connection_class.__name__} takes none of them)"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Address:
+    """Where the pool connects, and as whom (from redis-py's parse of the URL or client)."""
+
+    host: str = "127.0.0.1"
+    port: int = 6379
+    path: str | None = None  # a unix socket
+    username: str | None = None
+    password: str | None = None
+    db: int = 0
