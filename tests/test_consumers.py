@@ -468,9 +468,14 @@ async def test_a_delivery_held_past_store_hold_is_requeued(rig: Rig, tmp_path: P
     store = RedisBackend.from_url(server.url, prefix=rig.prefix)
     on_message = rabbitmq_handler(store, handle, namespace="payments", store_hold=0.5)
 
+    finished: list[bool] = []
+
     async def deliver(message: Any) -> None:
         seen.append((time.monotonic(), bool(message.redelivered)))
-        await on_message(message)
+        try:
+            await on_message(message)
+        finally:
+            finished.append(True)
 
     channel = await rig.connection.channel()
     await channel.set_qos(prefetch_count=1)
@@ -482,6 +487,11 @@ async def test_a_delivery_held_past_store_hold_is_requeued(rig: Rig, tmp_path: P
 
     await until(redelivered, 10)
     await channel.close()
+
+    async def let_go() -> bool:  # every delivery's handler is done before the store closes
+        return len(finished) == len(seen)
+
+    await until(let_go, 5)
     await store.aclose()
     (first, _), (second, again) = seen[:2]
     assert again, "handed back to the queue, then delivered again"
