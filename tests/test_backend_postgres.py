@@ -692,3 +692,23 @@ async def test_turns_go_to_the_longest_waiter_and_skip_the_ones_that_gave_up() -
     await asyncio.gather(first, impatient, last, newcomer, return_exceptions=True)
     assert order == ["impatient timed out", "first", "last", "newcomer"]
     await turns.take(0.01)  # every turn came back: one free again
+
+
+async def test_a_closed_backend_fails_every_call_and_opens_no_pool() -> None:
+    """After `aclose()`, `from_dsn`'s backend made its last pool: a late write or a renewal still
+    running fails at once instead of opening a new pool nobody would close."""
+    require("postgres", POSTGRES_DSN)
+    store = PostgresBackend.from_dsn(POSTGRES_DSN, table="idem_closed_records")
+    key = RecordKey.build("closed", None, uuid.uuid4().hex)
+    claimed = await store.claim(key, b"f", lease=10, ttl=60)
+    assert isinstance(claimed, Claimed)
+    await store.aclose()
+    for call in (
+        store.claim(key, b"f", lease=10, ttl=60),
+        store.complete(key, claimed.token, StoredResponse(201, [], b"{}"), ttl=60),
+        store.extend(key, claimed.token, lease=10),
+        store.get(key),
+    ):
+        with pytest.raises(BackendUnavailable, match="closed"):
+            await call
+    assert store._pool is None, "no pool opened again"

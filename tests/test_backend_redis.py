@@ -399,3 +399,31 @@ async def test_the_client_serving_script_calls_is_the_one_implementation_names(p
             assert backend._lean is not None
     finally:
         await client.aclose()
+
+
+@pytest.mark.parametrize("implementation", ["lean", "redis-py"])
+async def test_a_closed_backend_fails_every_call_and_opens_no_connection(
+    throwaway: RedisProcess, implementation: Implementation
+) -> None:
+    """A late write or a renewal still running after `aclose()` must not reconnect (redis-py's
+    client would, lazily, and nothing would close those connections)."""
+    store = RedisBackend.from_url(throwaway.url, prefix="idem-closed:", implementation=implementation)
+    admin = aioredis.Redis(port=throwaway.port)
+    try:
+        key = RecordKey.build("closed", None, "k-1")
+        claimed = await store.claim(key, b"f", lease=10, ttl=60)
+        assert isinstance(claimed, Claimed)
+        await store.aclose()
+        before = len(await admin.client_list())
+        for call in (
+            store.claim(key, b"f", lease=10, ttl=60),
+            store.complete(key, claimed.token, StoredResponse(201, [], b"{}"), ttl=60),
+            store.release(key, claimed.token),
+            store.get(key),
+            store.stale(0),
+        ):
+            with pytest.raises(BackendUnavailable, match="closed"):
+                await call
+        assert len(await admin.client_list()) == before, "nothing reconnected"
+    finally:
+        await admin.aclose()

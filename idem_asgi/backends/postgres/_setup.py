@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import anyio
 import asyncpg
 
-from ...errors import BackendMisconfigured, ConfigurationError
+from ...errors import BackendMisconfigured, BackendUnavailable, ConfigurationError
 from .._base import RawKeyRecord
 from . import _keys
 from ._lean import LeanPool
@@ -35,6 +35,7 @@ class Setup(RawKeyRecord):
     _lock: anyio.Lock
     _runner: Runner
     _raw_recorded: bool
+    _closed: bool = False
     _pooled: bool
     _key_forms: ClassVar[ModuleType] = _keys
 
@@ -55,6 +56,8 @@ class Setup(RawKeyRecord):
     async def _get_pool(self) -> Any:
         if self._pool is not None:
             return self._pool
+        if self._closed:  # aclose() closed the pool it made: nothing opens another
+            raise BackendUnavailable("postgres: this backend was closed (aclose()); build a new one")
         if self._dsn is None:
             raise ConfigurationError("PostgresBackend needs a pool or PostgresBackend.from_dsn(dsn)")
         # The wait for another request's attempt counts against this request's timeout: with the

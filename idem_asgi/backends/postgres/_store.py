@@ -392,6 +392,7 @@ class PostgresBackend(Watching, ClosingMixin):
 
     async def aclose(self) -> None:
         """Stop the sweep and close the pool if `from_dsn` made it (after connections still being handed back)."""
+        self._closed = self._owned  # a pool of the app's own stays usable; one we made is gone
         await self._orphans.aclose()
         if self._notices is not None:
             await self._notices.aclose()

@@ -55,7 +55,7 @@ from ._errors import CAUGHT, DRIVER_ERRORS, retried, wrapped
 from ._notices import Notices
 from ._replies import record
 from ._startup import warn_on_eviction, warn_on_replication
-from ._tools import Tools
+from ._tools import CLOSED, Tools
 
 logger = logging.getLogger("idem_asgi")
 
@@ -238,6 +238,8 @@ class RedisBackend(Tools, ClosingMixin):
 
     async def _call(self, script: Any, name: str, *args: Any) -> Any:
         try:
+            if self._closed:
+                raise BackendUnavailable(CLOSED)
             if self._starting:
                 await self._start()
             if self._lean is not None:
@@ -279,6 +281,8 @@ class RedisBackend(Tools, ClosingMixin):
     async def _call_durable(self, script: Any, name: str, *args: Any) -> tuple[Any, int]:
         """`_call`, and how many replicas confirmed the write (`WAIT` behind it, same connection)."""
         with DRIVER_ERRORS:
+            if self._closed:
+                raise BackendUnavailable(CLOSED)
             if self._starting:
                 await self._start()
             async with self._slot():
@@ -402,7 +406,10 @@ class RedisBackend(Tools, ClosingMixin):
         return bool(reply != 0)  # 0: not there (yet?); 1 deleted; -1 someone else's now
 
     async def aclose(self) -> None:
-        """Stop the background sweep and close the client if `from_url` made it."""
+        """Stop the background sweep and close the client if `from_url` made it. Every call after
+        this fails with `BackendUnavailable` at once: nothing reconnects a closed backend (a late
+        write still being retried would otherwise open connections nobody closes)."""
+        self._closed = True
         await self._orphans.aclose()
         if self._notices is not None:
             await self._notices.aclose()

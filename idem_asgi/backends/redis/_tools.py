@@ -19,6 +19,8 @@ from . import _keys
 from ._errors import DRIVER_ERRORS
 from ._stale import scan_stale
 
+CLOSED = "redis: this backend was closed (aclose()); build a new one"
+
 
 class Tools(RawKeyRecord):
     """Set up by `RedisBackend.__init__`; a class of its own only to keep the ops half apart."""
@@ -27,6 +29,7 @@ class Tools(RawKeyRecord):
     prefix: str
     timeout: float
     _cluster: bool
+    _closed: bool = False  # aclose() ran: no call reconnects
     key_seal: KeySeal | None
     _raw_recorded: bool
     _key_forms: ClassVar[ModuleType] = _keys
@@ -62,6 +65,8 @@ class Tools(RawKeyRecord):
     async def _tool_call(self) -> AsyncIterator[None]:
         """One `max_concurrency` slot and the same error mapping as `_call`, for multi-command tools."""
         with DRIVER_ERRORS:
+            if self._closed:
+                raise BackendUnavailable(CLOSED)
             if self._starting:
                 await self._start()
             async with self._slot():
