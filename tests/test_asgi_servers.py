@@ -249,7 +249,11 @@ async def test_a_retry_storm_under_each_server_executes_each_key_once_and_shutdo
 
     assert all(c == 1 for c in executions.values()), {k: c for k, c in executions.items() if c != 1}
     statuses, replays, pids = check_storm(answers)
-    assert pids == ready, "both workers executed payments"
+    # Which worker accepts a connection is the kernel's choice: both usually serve the storm, but
+    # gunicorn's workers share one listening socket and one of them can take every connection
+    # (seen once in a clean CI run). Once per key across workers is proven either way, and
+    # tests/test_multiprocess_storm.py forces the spread.
+    assert pids and pids <= ready, (pids, ready)
     check_late(answers, late)
     # Each worker ran its lifespan shutdown (which closes the store first) before it exited, and
     # nothing of the app is left on the store (a process exit alone would also pass this one).

@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 
 from idem_asgi.backends.redis import RedisBackend
 from idem_asgi.jobs.consumers import rabbitmq_handler
+from tests.support.leftovers import IGNORE_CLIENT_LEFTOVERS, collect_client_leftovers
 from tests.support.rabbitmq_node import RabbitNode, rabbitmq_node
 from tests.support.scorecard import report
 from tests.support.servers import REDIS_URL, require
@@ -27,7 +28,9 @@ pytestmark = [
     pytest.mark.redis,
     # aio-pika drops the close() coroutine of a connection attempt the restarting node refused.
     pytest.mark.filterwarnings("ignore:Exception ignored in. <coroutine object Connection.close"),
+    IGNORE_CLIENT_LEFTOVERS,
 ]
+__all__ = ["collect_client_leftovers"]  # the autouse fixture
 QUEUE = "payments"
 # A classic durable queue: a quorum queue on this single throwaway node (RabbitMQ 3.10.8), SIGKILLed
 # and started again, logged "leader not known" and took no publish for over 100 s.

@@ -15,13 +15,14 @@ import pytest
 
 from idem_asgi.backends.redis import RedisBackend
 from idem_asgi.jobs.consumers import rabbitmq_handler
+from tests.support.leftovers import IGNORE_CLIENT_LEFTOVERS, collect_client_leftovers
 from tests.support.scorecard import report
 from tests.support.servers import redis_sentinel
 from tests.support.store_outage import late_writes_landed
 from tests.test_consumers import Rig, rig, until
 
-pytestmark = [pytest.mark.redis, pytest.mark.slow]
-__all__ = ["rig"]  # the fixture, shared with tests/test_consumers.py
+pytestmark = [pytest.mark.redis, pytest.mark.slow, IGNORE_CLIENT_LEFTOVERS]
+__all__ = ["collect_client_leftovers", "rig"]  # the fixture, shared with tests/test_consumers.py
 
 
 async def test_a_sentinel_failover_mid_stream_applies_every_message_once_and_dead_letters_none(

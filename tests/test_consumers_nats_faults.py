@@ -24,14 +24,15 @@ from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 from idem_asgi.backends.redis import RedisBackend
 from idem_asgi.errors import ConfigurationError
 from idem_asgi.jobs.consumers import nats_handler
+from tests.support.leftovers import IGNORE_CLIENT_LEFTOVERS, collect_client_leftovers
 from tests.support.nats_server import nats_process
 from tests.support.scorecard import report
 from tests.support.servers import REDIS_URL, ROOT
 from tests.support.store_outage import fsynced_redis, late_writes_landed, restart_when
 from tests.test_consumers_nats import ACK_WAIT, Consumer, Rig, rig, until
 
-pytestmark = [pytest.mark.redis]
-__all__ = ["rig"]  # the fixture, shared with tests/test_consumers_nats.py
+pytestmark = [pytest.mark.redis, IGNORE_CLIENT_LEFTOVERS]
+__all__ = ["collect_client_leftovers", "rig"]  # the fixture, shared with tests/test_consumers_nats.py
 
 
 async def test_a_redis_restart_mid_stream_applies_every_message_once_and_dead_letters_none(
