@@ -51,7 +51,7 @@ from ._connect import Implementation, lean_pool, open_url, refuse_decoding
 if TYPE_CHECKING:
     from ._resp import RespPool
 from ._durable import durable_ms, run_then_wait
-from ._errors import CAUGHT, DRIVER_ERRORS, retried, wrapped
+from ._errors import CAUGHT, retried, wrapped
 from ._notices import Notices
 from ._replies import record
 from ._startup import warn_on_eviction, warn_on_replication
@@ -280,20 +280,15 @@ class RedisBackend(Tools, ClosingMixin):
 
     async def _call_durable(self, script: Any, name: str, *args: Any) -> tuple[Any, int]:
         """`_call`, and how many replicas confirmed the write (`WAIT` behind it, same connection)."""
-        with DRIVER_ERRORS:
-            if self._closed:
-                raise BackendUnavailable(CLOSED)
-            if self._starting:
-                await self._start()
-            async with self._slot():
-                wait = ("WAIT", self.durable_replicas, self._durable_ms)
-                try:
-                    return await run_then_wait(self.client, self._lean, script, name, args, wait)
-                except redis_errors.ConnectionError as exc:
-                    if self._lean is None or not retried(exc):
-                        raise
-                    # Once, at once, on a fresh connection, as `_call` does (redis-py retries itself).
-                    return await run_then_wait(self.client, self._lean, script, name, args, wait)
+        async with self._tool_call():  # the same mapping, closed check, start and slot as the tools
+            wait = ("WAIT", self.durable_replicas, self._durable_ms)
+            try:
+                return await run_then_wait(self.client, self._lean, script, name, args, wait)
+            except redis_errors.ConnectionError as exc:
+                if self._lean is None or not retried(exc):
+                    raise
+                # Once, at once, on a fresh connection, as `_call` does (redis-py retries itself).
+                return await run_then_wait(self.client, self._lean, script, name, args, wait)
 
     async def _withdraw(self, name: str, token: int, ttl: float, acked: int) -> None:
         """A claim the replicas did not confirm: take it back (or leave it to the orphan sweep),

@@ -63,7 +63,8 @@ class Tools(RawKeyRecord):
 
     @contextlib.asynccontextmanager
     async def _tool_call(self) -> AsyncIterator[None]:
-        """One `max_concurrency` slot and the same error mapping as `_call`, for multi-command tools."""
+        """One `max_concurrency` slot and the same error mapping as `_call`, for multi-command tools and
+        durable calls; refused at once once the backend is closed."""
         with DRIVER_ERRORS:
             if self._closed:
                 raise BackendUnavailable(CLOSED)
