@@ -103,3 +103,49 @@ async def test_another_route_is_answered_while_a_large_body_is_fingerprinted(
         answers["health"] = (await client.get("/health")).status_code
     assert answers == {"health": 200, "pay": 201}
     assert released_by_health == [True]  # the decoder was still held when /health was answered
+
+
+async def test_a_body_in_many_chunks_reaches_the_app_as_those_chunks_uncopied(backend: Backend, namespace: str) -> None:
+    """The middleware never joins a streamed body: the app gets the very chunk objects the client
+    sent, in order (it joins them itself, as without us), and a replay still answers the first's bytes."""
+    got: list[list[Message]] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        messages = [await receive()]
+        while messages[-1].get("more_body", False):
+            messages.append(await receive())
+        got.append(messages)
+        size = sum(len(m["body"]) for m in messages)
+        await send({"type": "http.response.start", "status": 201, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": str(size).encode()})
+
+    mw = IdempotencyMiddleware(
+        app, backend=backend, namespace=namespace, routes=[RoutePolicy("/upload", single_tenant=True)]
+    )
+    chunks = [bytes([65 + i]) * (64 * 1024) for i in range(5)]
+    key = uuid.uuid4().hex
+
+    async def post() -> Result:
+        queue = list(chunks)
+
+        async def receive() -> Message:
+            if queue:
+                chunk = queue.pop(0)
+                return {"type": "http.request", "body": chunk, "more_body": bool(queue)}
+            await anyio.sleep_forever()
+            raise AssertionError
+
+        result = Result()
+
+        async def send(message: Message) -> None:
+            result.messages.append(dict(message))
+
+        await mw(http_scope(path="/upload", key=key), receive, send)
+        return result
+
+    first, again = await post(), await post()
+    assert len(got) == 1, "the repeat was replayed, not run"
+    assert [m["body"] for m in got[0]] == chunks
+    assert all(m["body"] is c for m, c in zip(got[0], chunks)), "a chunk was copied"
+    assert [m["more_body"] for m in got[0]] == [True] * 4 + [False]
+    assert first.body == again.body == str(5 * 64 * 1024).encode()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Final
 
 from .._types import ASGIApp, Message, Receive, Scope, Send
@@ -36,14 +36,15 @@ def length_over(value: bytes, limit: int) -> bool:
     return len(digits) > len(str(limit)) or int(digits or b"0") > limit
 
 
-async def read_body(
+async def read_chunks(
     receive: Receive, limit: int, feed: Callable[[bytes], object] | None = None, *, first: Message | None = None
-) -> bytes | None:
-    """The whole request body, read the ASGI way; None when the client left first.
+) -> list[bytes] | None:
+    """The whole request body as the chunks it came in, read the ASGI way; None when the client left first.
 
     Raises `TooLarge` the moment the body crosses `limit`. `feed` sees each chunk as it arrives
-    (an incremental hash), so the body is never walked twice. One chunk is returned as it came.
-    `first` is a message the caller already received.
+    (an incremental hash), so the body is never walked twice, and it is never joined here: the
+    app is handed the same chunks (`replaying`) and joins them itself, as it would without us, so
+    a large body is copied once per request, not twice. `first` is a message the caller already received.
     """
     chunks: list[bytes] = []
     size = 0
@@ -61,19 +62,28 @@ async def read_body(
                 feed(chunk)
             chunks.append(chunk)
         if not message.get("more_body", False):
-            break
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            return chunks
 
 
-def replaying(body: bytes, receive: Receive) -> Receive:
-    """A `receive` that hands the app the buffered body once, then the real channel (disconnects)."""
-    sent = False
+async def read_body(
+    receive: Receive, limit: int, feed: Callable[[bytes], object] | None = None, *, first: Message | None = None
+) -> bytes | None:
+    """`read_chunks`, joined (one chunk is returned as it came)."""
+    chunks = await read_chunks(receive, limit, feed, first=first)
+    return None if chunks is None else b"".join(chunks)
+
+
+def replaying(chunks: Sequence[bytes], receive: Receive) -> Receive:
+    """A `receive` that hands the app the buffered body (its chunks, in order) once, then the real channel."""
+    sent = 0
 
     async def replay() -> Message:
         nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
+        if sent < len(chunks) or not sent:
+            i = sent
+            sent += 1
+            last = sent >= len(chunks)
+            return {"type": "http.request", "body": chunks[i] if chunks else b"", "more_body": not last}
         return await receive()
 
     return replay

@@ -64,7 +64,7 @@ class Capture:
         self,
         send: Send,
         receive: Receive,
-        body: bytes | None,
+        body: list[bytes],
         on_final: OnFinal,
         *,
         excluded: Container[bytes],
@@ -72,7 +72,7 @@ class Capture:
     ) -> None:
         self._send = send
         self._receive = receive
-        self._body = body  # handed to the app once, then None
+        self._body: list[bytes] | None = body  # the request body's chunks, handed to the app once, then None
         self._gone = False
         self._on_final = on_final
         self._excluded = excluded
@@ -97,16 +97,20 @@ class Capture:
         return self._state == _FINISHED
 
     async def receive(self) -> Message:
-        """The buffered body once, then the real channel; a disconnect only once the answer is complete.
+        """The buffered body (its chunks, in order) once, then the real channel; a disconnect only once
+        the answer is complete.
 
         The contract says a client that hangs up does not stop the operation: apps that stop at a
         disconnect (Starlette's `StreamingResponse` under ASGI < 2.4 cancels its stream) would
         otherwise return with half an answer.
         """
-        body = self._body
-        if body is not None:
-            self._body = None
-            return {"type": "http.request", "body": body, "more_body": False}
+        chunks = self._body
+        if chunks is not None:
+            if len(chunks) < 2:  # the usual case: the body came in one message
+                self._body = None
+                return {"type": "http.request", "body": chunks[0] if chunks else b"", "more_body": False}
+            chunk = chunks.pop(0)  # (a list of tens of chunks: popping its head is cheap)
+            return {"type": "http.request", "body": chunk, "more_body": True}
         if not self._gone:
             message = await self._receive()
             if message["type"] != "http.disconnect":

@@ -35,7 +35,7 @@ from .asgi import (
     HIDDEN_EXTENSIONS,
     TooLarge,
     length_over,
-    read_body,
+    read_chunks,
     replaying,
     run_unclaimed,
 )
@@ -64,7 +64,7 @@ class HttpRuntime(Runtime):
 class Protected(ClaimSession):
     """The state and steps of one request on a protected route: the ASGI adapter of a claim session."""
 
-    __slots__ = ("body", "key", "owner", "receive", "route", "scope", "send")
+    __slots__ = ("chunks", "key", "owner", "receive", "route", "scope", "send")
     rt: HttpRuntime
 
     def __init__(self, rt: HttpRuntime, route: Route, scope: Scope, receive: Receive, send: Send) -> None:
@@ -75,7 +75,7 @@ class Protected(ClaimSession):
         self.send = send
         self.key = ""
         self.owner: str | None = None
-        self.body = b""
+        self.chunks: list[bytes] = []  # the body as it came, never joined by us (`read_chunks`)
 
     # -- the steps --------------------------------------------------------------------------------
 
@@ -136,29 +136,33 @@ class Protected(ClaimSession):
         message = await self.receive()
         if message["type"] == "http.request" and not message.get("more_body", False):
             body = message.get("body", b"")  # the whole body in one message: the usual case
-            if len(body) > limit:
+            size = len(body)
+            if size > limit:
                 raise self._too_large()
             hasher.update(body)
+            chunks = [body]
         else:
             try:
-                body = await read_body(self.receive, limit, hasher.update, first=message)
+                read = await read_chunks(self.receive, limit, hasher.update, first=message)
             except TooLarge:
                 raise self._too_large() from None
-            if body is None:
+            if read is None:
                 return False  # the client left before anything was claimed
-        self.body = body
-        self.fingerprint = await digest(hasher, len(body))
+            chunks = read
+            size = sum(map(len, chunks))
+        self.chunks = chunks
+        self.fingerprint = await digest(hasher, size)
         if route.key_source is None:
             assert given is not None
             self.key = stored = given
         else:
-            derived = route.key_source(scope, body, given)
+            derived = route.key_source(scope, b"".join(chunks), given)
             if derived is None:
                 if route.required:
                     raise Refused(
                         problems.KEY_REQUIRED, "This operation needs the fields its idempotency key is made of."
                     )
-                await self.rt.app(scope, replaying(body, self.receive), self.send)
+                await self.rt.app(scope, replaying(chunks, self.receive), self.send)
                 return False
             # A derived key lives in its route's own key space: never a header key's, nor another route's.
             self.key = derived
@@ -175,7 +179,7 @@ class Protected(ClaimSession):
             raise Refused(problem, sentence(str(exc)), retry_after=route.retry_after, event=None) from None
         self.store_failed("claim failed", exc)
         if self.rt.fail_open:
-            receive = replaying(self.body, self.receive)
+            receive = replaying(self.chunks, self.receive)
             await run_unclaimed(self.rt.app, self.scope, receive, self.send, self.key, self.owner)
             return
         raise self._store_refusal(exc) from None
@@ -238,7 +242,7 @@ class Protected(ClaimSession):
         self.begin(token)
         send = self.send if not route.advertise_expiry else _expiring(self.send, route.ttl, route.release_statuses)
         capture = Capture(
-            send, self.receive, self.body, self._on_final, excluded=route.excluded, limit=route.max_stored_body
+            send, self.receive, self.chunks, self._on_final, excluded=route.excluded, limit=route.max_stored_body
         )
         info = IdempotencyInfo(self.key, self.owner, self)
         entered = enter(info)

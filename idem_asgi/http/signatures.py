@@ -393,7 +393,7 @@ class SignatureMiddleware:
                 send, SIGNATURE_INVALID, str(exc), base=problems.located(self.problem_base, scope)
             )
             return
-        await self.app(scope, replaying(body, receive), send)
+        await self.app(scope, replaying((body,), receive), send)
 
     async def _too_large(self, scope: Scope, send: Send) -> None:
         await problems.send_problem(
