@@ -45,11 +45,12 @@ from idem_asgi._types import Receive, Scope, Send
 from tests.support.servers import POSTGRES_DSN, REDIS_URL, reachable
 
 CASES = ("passthrough", "new-key", "replay")
-BACKENDS = ("memory", "redis", "redis-client", "postgres", "floor", "forward")
+BACKENDS = ("memory", "redis", "redis-client", "postgres", "floor", "forward", "naive")
 """`redis` is `RedisBackend.from_url`; `redis-client` a `RedisBackend` over the user's own redis-py client;
 `floor` the minimal capture middleware and `forward` a forwarding one (benchmarks/floors.py), measured
-in the same rounds so each report shows the distance to the least such a middleware can cost."""
-FLOORS = ("floor", "forward")
+in the same rounds so each report shows the distance to the least such a middleware can cost; `naive`
+the naive two-round-trip Redis middleware on redis-py (benchmarks/floors.py), what ours on Redis must beat."""
+FLOORS = ("floor", "forward", "naive")
 TARGETS: dict[str, float | None] = {  # new-key, ours/bare req/s
     "memory": 0.95,
     "redis": 0.85,
@@ -57,7 +58,9 @@ TARGETS: dict[str, float | None] = {  # new-key, ours/bare req/s
     "postgres": 0.65,
     "floor": None,
     "forward": None,
+    "naive": None,
 }
+NAIVE_TARGET = 1.30  # Redis from_url's new-key requests/s over the naive Redis middleware's, same run
 FLOOR_TARGET = 0.95  # memory's new-key ratio over the capture floor's, same run
 INSTRUCTION_TARGETS = {"new-key": 55_000, "replay": 40_000}  # the middleware's own, memory store (callgrind)
 REPLAY_TARGET = 1.0  # every store: a replay must be cheaper than running the no-op handler
@@ -258,6 +261,7 @@ def backend_url(name: str, args: argparse.Namespace) -> str:
         "postgres": args.postgres_dsn,
         "floor": "floor:capture",
         "forward": "floor:forward",
+        "naive": "floor:naive",
     }
     url: str = urls[name]
     return url
@@ -282,7 +286,7 @@ async def server_mode(args: argparse.Namespace) -> int:
             raise SystemExit(f"unknown case {c!r}; pick from {','.join(CASES)}")
     skipped = []
     if not reachable(args.redis_url):
-        skipped += [b for b in backends if b.startswith("redis")]
+        skipped += [b for b in backends if b.startswith("redis") or b == "naive"]
     if "postgres" in backends and not reachable(args.postgres_dsn):
         skipped.append("postgres")
     backends = [b for b in backends if b not in skipped]
@@ -302,7 +306,12 @@ async def server_mode(args: argparse.Namespace) -> int:
             print(f"# middleware servers import idem_asgi from {args.pythonpath} first")
     emit(args, {"kind": "machine", **info, "skipped": skipped})
 
-    common = {"IDEM_BENCH_PREFIX": prefix, "IDEM_BENCH_TABLE": table, "IDEM_BENCH_TTL": str(args.ttl)}
+    common = {
+        "IDEM_BENCH_PREFIX": prefix,
+        "IDEM_BENCH_TABLE": table,
+        "IDEM_BENCH_TTL": str(args.ttl),
+        "IDEM_BENCH_REDIS_URL": args.redis_url,
+    }
     servers: dict[str, Server] = {}
     results: dict[tuple[str, str], Pair] = {}
     latency: dict[str, dict[str, list[float]]] = {}
@@ -347,7 +356,7 @@ async def server_mode(args: argparse.Namespace) -> int:
                                     "round": rnd, **s.__dict__})  # fmt: skip
                         if not args.json:
                             print_round(rnd, args.rounds, b, case, is_bare, s)
-        for b in backends if args.latency_samples > 0 else ():
+        for b in [b for b in backends if b not in FLOORS] if args.latency_samples > 0 else ():
             latency[b] = await latency_probe(
                 servers["bare"], servers[b], args.latency_samples, f"{run}-{b}", budget=max(10.0, args.duration * 5)
             )
@@ -358,7 +367,7 @@ async def server_mode(args: argparse.Namespace) -> int:
         try:
             if "postgres" in backends:
                 await drop_postgres(args.postgres_dsn, table)
-            if any(b.startswith("redis") for b in backends):
+            if any(b.startswith("redis") or b == "naive" for b in backends):
                 await delete_redis_prefix(args.redis_url, prefix)
         except Exception as exc:  # cleanup must not hide the real error
             print(f"# cleanup failed: {exc!r}", file=sys.stderr)
@@ -381,6 +390,12 @@ def print_floor_distance(rows: list[dict[str, Any]]) -> None:
         over = by[("memory", "new-key")] / floor
         met = "met" if over >= FLOOR_TARGET else "MISSED"
         print(f"target memory new-key ours/floor: {over:.2f} (goal >= {FLOOR_TARGET:.2f}) {met}")
+    naive = by.get(("naive", "new-key"))
+    if naive is not None and ("redis", "new-key") in by:
+        ahead = by[("redis", "new-key")] / naive
+        print(f"  naive two-round-trip Redis middleware (redis-py): {naive:.2f}")
+        met = "met" if ahead >= NAIVE_TARGET else "MISSED"
+        print(f"target redis new-key ours/naive: {ahead:.2f} (goal >= {NAIVE_TARGET:.2f}) {met}")
 
 
 def ratio_stats(pair: Pair) -> tuple[float, float, float]:
@@ -783,7 +798,7 @@ async def profile_mode(args: argparse.Namespace, cases: list[str]) -> int:
             await drive(mw, case, args.n, f"prof-{case}")
             prof.disable()
             stats = pstats.Stats(prof).strip_dirs().sort_stats("tottime")
-            stats.print_stats(25)
+            stats.print_stats(int(os.environ.get("IDEM_PROFILE_ROWS", "25")))
     return 0
 
 
@@ -792,7 +807,7 @@ async def profile_mode(args: argparse.Namespace, cases: list[str]) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backends", default=",".join(BACKENDS), help="comma list of memory,redis,redis-client,postgres")
+    p.add_argument("--backends", default=",".join(BACKENDS), help="comma list of " + ",".join(BACKENDS))
     p.add_argument("--cases", default=",".join(CASES), help="comma list of passthrough,new-key,replay")
     p.add_argument("--rounds", type=int, default=3, help="bare/ours round pairs per backend and case")
     p.add_argument("--duration", type=float, default=3.0, help="seconds per round and side")

@@ -7,11 +7,17 @@
   No policies, scopes, leases, fencing, problem answers or store round trips: what is left of
   ours once everything that makes it correct is taken away. A memory-store ratio close to this
   one means the rest of ours costs little.
+- `Naive`: the naive Redis idempotency middleware a team writes in an afternoon, on redis-py:
+  `SET key NX` to claim, then a second `SET` with the captured answer (two round trips per new
+  key; a repeat reads the key back). No fencing, leases, scopes or fingerprint check: correct
+  enough for a demo, and what ours on Redis must beat by a clear margin to be worth its weight.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 from typing import Any
 
 from idem_asgi._types import ASGIApp, Message, Receive, Scope, Send
@@ -70,10 +76,69 @@ class Capture:
         self.stored[key] = (digest, sent)
 
 
+class Naive:
+    def __init__(self, app: ASGIApp, url: str, prefix: str, path: str = "/noop") -> None:
+        import redis.asyncio as redis
+
+        self.app = app
+        self.path = path
+        self.prefix = prefix
+        pool = redis.BlockingConnectionPool.from_url(url, max_connections=64, timeout=5)
+        self.redis = redis.Redis(connection_pool=pool)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != self.path:
+            await self.app(scope, receive, send)
+            return
+        key = next((v for k, v in scope["headers"] if k == b"idempotency-key"), None)
+        if key is None:
+            await self.app(scope, receive, send)
+            return
+        name = self.prefix + key.decode()
+        if not await self.redis.set(name, b"", nx=True, ex=86_400):  # round trip 1: claim
+            stored = await self.redis.get(name)
+            if stored:
+                start, body = json.loads(stored)
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": start[0],
+                        "headers": [
+                            *((k.encode("latin-1"), v.encode("latin-1")) for k, v in start[1]),
+                            (b"idempotent-replayed", b"true"),
+                        ],
+                    }
+                )
+                await send({"type": "http.response.body", "body": body.encode("latin-1")})
+            else:
+                await send({"type": "http.response.start", "status": 409, "headers": []})
+                await send({"type": "http.response.body", "body": b""})
+            return
+        status, headers, chunks = 0, [], []
+
+        async def capture(message: Message) -> None:
+            nonlocal status, headers
+            if message["type"] == "http.response.start":
+                status, headers = (
+                    message["status"],
+                    [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", ())],
+                )
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+            await send(message)
+
+        await self.app(scope, receive, capture)
+        answer = json.dumps([[status, headers], b"".join(chunks).decode("latin-1")])
+        await self.redis.set(name, answer, ex=86_400)  # round trip 2: store the answer
+
+
 def floor_app(name: str, app: Any) -> Any:
-    """`app` behind the floor called `name` (`capture` or `forward`)."""
+    """`app` behind the floor called `name` (`capture`, `forward` or `naive`)."""
     if name == "capture":
         return Capture(app)
     if name == "forward":
         return Forward(app)
-    raise SystemExit(f"unknown floor {name!r}: capture or forward")
+    if name == "naive":
+        url = os.environ.get("IDEM_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
+        return Naive(app, url, os.environ.get("IDEM_BENCH_PREFIX", "idem-bench:") + "naive:")
+    raise SystemExit(f"unknown floor {name!r}: capture, forward or naive")

@@ -146,6 +146,6 @@ async def test_a_body_in_many_chunks_reaches_the_app_as_those_chunks_uncopied(ba
     first, again = await post(), await post()
     assert len(got) == 1, "the repeat was replayed, not run"
     assert [m["body"] for m in got[0]] == chunks
-    assert all(m["body"] is c for m, c in zip(got[0], chunks)), "a chunk was copied"
+    assert all(m["body"] is c for m, c in zip(got[0], chunks, strict=True)), "a chunk was copied"
     assert [m["more_body"] for m in got[0]] == [True] * 4 + [False]
     assert first.body == again.body == str(5 * 64 * 1024).encode()
