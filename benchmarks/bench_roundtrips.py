@@ -9,7 +9,9 @@ N replays of those keys.
   processes' commands land in the server delta too; when the two disagree the server figure is
   flagged as polluted (use `--throwaway` for a private redis-server, or rerun).
 - Postgres: statements sent by an asyncpg pool whose connections count their `execute`/`fetch*`
-  calls (pg_stat_statements needs a server restart, so it is not assumed). Statement preparation
+  calls (pg_stat_statements needs a server restart, so it is not assumed), and the transactions
+  they make: a statement sent outside `BEGIN` is a transaction of its own (committed by the
+  server), plus every explicit `COMMIT`. Statement preparation
   happens once per connection during the warm-up and is not counted.
 
 Targets (the contract's costs): 2 per new request (claim + complete), 1 per replay.
@@ -215,23 +217,29 @@ def counting_connection_class() -> type:
         """Counts every statement sent on this connection, by kind (prepared statements are cached)."""
 
         async def execute(self, query: str, *args: Any, **kwargs: Any) -> Any:
-            STATEMENTS[_label(query)] += 1
+            self._count(query)
             return await super().execute(query, *args, **kwargs)
 
         async def fetch(self, query: str, *args: Any, **kwargs: Any) -> Any:
-            STATEMENTS[_label(query)] += 1
+            self._count(query)
             return await super().fetch(query, *args, **kwargs)
 
         async def fetchrow(self, query: str, *args: Any, **kwargs: Any) -> Any:
-            STATEMENTS[_label(query)] += 1
+            self._count(query)
             return await super().fetchrow(query, *args, **kwargs)
 
         async def fetchval(self, query: str, *args: Any, **kwargs: Any) -> Any:
-            STATEMENTS[_label(query)] += 1
+            self._count(query)
             return await super().fetchval(query, *args, **kwargs)
 
+        def _count(self, query: str) -> None:
+            label = _label(query)
+            STATEMENTS[label] += 1
+            if label == "COMMIT" or not self.is_in_transaction():
+                STATEMENTS["(transactions)"] += 1  # not a statement: the commits those statements made
+
         async def executemany(self, command: str, args: Any, **kwargs: Any) -> Any:
-            STATEMENTS[_label(command)] += 1
+            self._count(command)
             return await super().executemany(command, args, **kwargs)
 
     return CountingConnection
@@ -254,7 +262,9 @@ async def bench_postgres(dsn: str, n: int) -> dict[str, Any]:
         async def after(snapshot: Counter[str]) -> dict[str, Any]:
             delta = Counter(STATEMENTS)
             delta.subtract(snapshot)
+            transactions = delta.pop("(transactions)", 0)
             return {
+                "transactions_per_request": round(transactions / n, 3),
                 "statements_per_request": round(sum(delta.values()) / n, 3),
                 "backend_statements_per_request": round((sum(delta.values()) - delta["pool reset"]) / n, 3),
                 "by_kind": {k: v for k, v in delta.items() if v},
@@ -321,7 +331,8 @@ def report(results: dict[str, Any]) -> list[str]:
             value = p["statements_per_request"]
             lines.append(
                 f"  {phase:<6} statements per request: {value:.3f} "
-                f"(backend's own {p['backend_statements_per_request']:.3f}) {p['by_kind']}; "
+                f"(backend's own {p['backend_statements_per_request']:.3f}) {p['by_kind']}, "
+                f"transactions {p['transactions_per_request']:.3f}; "
                 f"{p['seconds']:.2f}s  {verdict(value, TARGET[phase])}"
             )
             if value > TARGET[phase] + 1e-9:
