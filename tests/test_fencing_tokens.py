@@ -13,6 +13,7 @@ tests/test_reliability_storms.py.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import sys
 import uuid
@@ -47,6 +48,28 @@ def test_tokens_do_not_follow_the_random_module() -> None:
         drawn.add(new_token())
     assert len(drawn) == 1000
     assert all(1 <= t <= 1 << 62 for t in drawn)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork: POSIX only")
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_forked_worker_never_draws_its_parents_tokens() -> None:
+    """Tokens are read from the OS in batches; a child forked with part of a batch unread (gunicorn
+    --preload, multiprocessing) must not hand out the tokens its parent goes on drawing."""
+    new_token()  # the parent holds a batch, most of it unread, when it forks
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next tokens, to the parent
+        try:
+            os.write(write, b",".join(str(new_token()).encode() for _ in range(100)))
+        finally:
+            os._exit(0)
+    os.close(write)
+    parents = {new_token() for _ in range(100)}
+    with os.fdopen(read, "rb") as pipe:
+        childs = {int(t) for t in pipe.read().split(b",")}
+    os.waitpid(pid, 0)
+    assert len(childs) == 100 and len(parents) == 100
+    assert not parents & childs
 
 
 # -- the stores: a token equal to the stored one is not proof of ownership -----------------------

@@ -40,7 +40,7 @@ from .asgi import (
     run_unclaimed,
 )
 from .capture import Capture
-from .fingerprint import digest
+from .fingerprint import OFFLOAD_BYTES, digest
 from .keys import route_key
 from .routing import Route, route_path
 
@@ -130,7 +130,7 @@ class Protected(ClaimSession):
         # The scope needs no body: a request that names nobody is refused before any body work.
         stored_owner, self.owner = request_scope(route, scope)
         limit = route.max_body
-        if length is not None and length_over(length, limit):
+        if length is not None and len(length) >= route.max_body_digits and length_over(length, limit):
             raise self._too_large()
         hasher = route.fingerprint.begin(scope)
         message = await self.receive()
@@ -151,7 +151,8 @@ class Protected(ClaimSession):
             chunks = read
             size = sum(map(len, chunks))
         self.chunks = chunks
-        self.fingerprint = await digest(hasher, size)
+        # (a small body's digest is taken here: `digest` only matters for a large body to parse)
+        self.fingerprint = hasher.digest() if size < OFFLOAD_BYTES else await digest(hasher, size)
         if route.key_source is None:
             assert given is not None
             self.key = stored = given

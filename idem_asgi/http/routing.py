@@ -119,6 +119,7 @@ class Route:
         "label",
         "lease",
         "max_body",
+        "max_body_digits",
         "max_stored_body",
         "methods",
         "on_expired",
@@ -147,6 +148,7 @@ class Route:
         self.wait = 0.0 if policy.wait is None else seconds(policy.wait)
         self.required = policy.required
         self.max_body = policy.max_body
+        self.max_body_digits = len(str(policy.max_body))  # a shorter Content-Length cannot exceed it
         self.max_stored_body = policy.max_stored_body
         # A derived key (an event id) is the operation: a 405 for a method the app does not route must
         # never be stored under it, or the genuine delivery would be answered with that 405.
