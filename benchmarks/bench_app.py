@@ -12,8 +12,9 @@ Routes:
 
 Selected by environment variables (read once, at start-up):
 - `IDEM_BENCH_BACKEND`: empty or `none` for the bare app; else `memory://`, `redis://...` or
-  `postgresql://...` for IdempotencyMiddleware on that store; `floor:capture` / `floor:forward`
-  for the floors of `benchmarks/floors.py` (a minimal capture middleware, a forwarding one).
+  `postgresql://...` for IdempotencyMiddleware on that store; `floor:capture` / `floor:forward` /
+  `floor:naive` for the floors of `benchmarks/floors.py` (a minimal capture middleware, a
+  forwarding one, a naive Redis one), added where ours is (`app.add_middleware`).
 - `IDEM_BENCH_REDIS_CLIENT=1`: the Redis store over the user's own `redis.asyncio.Redis` client.
 - `IDEM_BENCH_PREFIX` (Redis key prefix), `IDEM_BENCH_TABLE` (Postgres table), `IDEM_BENCH_TTL`
   (route TTL in seconds, short so benchmark records do not linger in a shared store; the lease
@@ -147,9 +148,9 @@ def create_app() -> Any:
     app = build_bare()
     url = os.environ.get("IDEM_BENCH_BACKEND", "").strip()
     if url.startswith("floor:"):
-        from benchmarks.floors import floor_app
+        from benchmarks.floors import add_floor
 
-        return floor_app(url.partition(":")[2], app)
+        return add_floor(url.partition(":")[2], app)
     if url and url != "none":
         protect(app, url)
     return app

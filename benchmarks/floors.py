@@ -132,13 +132,17 @@ class Naive:
         await self.redis.set(name, answer, ex=86_400)  # round trip 2: store the answer
 
 
-def floor_app(name: str, app: Any) -> Any:
-    """`app` behind the floor called `name` (`capture`, `forward` or `naive`)."""
+def add_floor(name: str, app: Any) -> Any:
+    """Put the floor called `name` (`capture`, `forward` or `naive`) where ours sits: FastAPI's
+    `app.add_middleware`, inside Starlette's outermost layers. So a replay pays the framework's
+    entry on both sides, and what is read over a floor is ours alone."""
     if name == "capture":
-        return Capture(app)
-    if name == "forward":
-        return Forward(app)
-    if name == "naive":
+        app.add_middleware(Capture)
+    elif name == "forward":
+        app.add_middleware(Forward)
+    elif name == "naive":
         url = os.environ.get("IDEM_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
-        return Naive(app, url, os.environ.get("IDEM_BENCH_PREFIX", "idem-bench:") + "naive:")
-    raise SystemExit(f"unknown floor {name!r}: capture, forward or naive")
+        app.add_middleware(Naive, url=url, prefix=os.environ.get("IDEM_BENCH_PREFIX", "idem-bench:") + "naive:")
+    else:
+        raise SystemExit(f"unknown floor {name!r}: capture, forward or naive")
+    return app

@@ -160,6 +160,33 @@ async def test_ttl_of_a_completed_record_runs_from_completion() -> None:
     assert await backend.get(k(1)) is None
 
 
+async def test_the_sweep_keeps_a_completed_record_until_its_completion_expiry_and_then_drops_it() -> None:
+    """Completions push no expiry entry of their own (the claim's is pushed again when it comes
+    up), so the sweep must neither drop a record completed later nor keep one past its end; a
+    completion with a shorter TTL than its claim's is swept at its own, earlier, expiry."""
+    clock = Clock()
+    backend = MemoryBackend(clock=clock)
+    late, short = (
+        await backend.claim(k("late"), b"fp", lease=30, ttl=10),
+        await backend.claim(k("short"), b"fp", lease=30, ttl=10),
+    )
+    assert isinstance(late, Claimed) and isinstance(short, Claimed)
+    clock.now += 8
+    assert await backend.complete(k("late"), late.token, RESPONSE, ttl=10)  # expires at 18
+    assert await backend.complete(k("short"), short.token, RESPONSE, ttl=1)  # expires at 9
+    clock.now += 1.5  # 9.5: the short one is due, the claims' entries are not yet
+    await backend.claim(k("tick-1"), b"fp", lease=5, ttl=100)  # a claim sweeps what is due
+    assert len(backend) == 2 and backend.stored_bytes == len(RESPONSE.body) + sum(map(len, RESPONSE.headers[0]))
+    clock.now += 1  # 10.5: the claims' entries come up; "late" is completed, due at 18
+    await backend.claim(k("tick-2"), b"fp", lease=5, ttl=100)
+    assert len(backend) == 3
+    rec = await backend.get(k("late"))
+    assert rec is not None and rec.state == COMPLETED
+    clock.now += 7.5  # 18
+    await backend.claim(k("tick-3"), b"fp", lease=5, ttl=100)
+    assert len(backend) == 3 and backend.stored_bytes == 0  # "late" swept, with its bytes
+
+
 async def test_leases_are_judged_by_the_injected_clock() -> None:
     clock = Clock(5_000.0)
     backend = MemoryBackend(clock=clock)

@@ -238,7 +238,9 @@ class MemoryBackend(ClosingMixin):
                 self._bytes += size
                 if key.scope:
                     self._scopes[key.scope][1] += size
-            heapq.heappush(self._expiry, (expires_at, digest))
+            if expires_at < rec.expires_at:  # sooner than the claim's entry says (a shorter TTL)
+                heapq.heappush(self._expiry, (expires_at, digest))
+            # (later, the usual case: the claim's entry is pushed again when it comes up, in `_expire`)
             return True
 
     async def release(self, key: RecordKey, token: int) -> bool:
@@ -283,9 +285,12 @@ class MemoryBackend(ClosingMixin):
         while heap and heap[0][0] <= now and (limit is None or deleted < limit):
             _, digest = heapq.heappop(heap)
             rec = records.get(digest)
-            if rec is not None and rec.expires_at <= now:
-                self._drop(digest)
-                deleted += 1
+            if rec is not None:
+                if rec.expires_at <= now:
+                    self._drop(digest)
+                    deleted += 1
+                else:  # completed (or extended) since this entry was pushed: due later
+                    heapq.heappush(heap, (rec.expires_at, digest))
         return deleted
 
     async def stale(

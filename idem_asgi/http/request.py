@@ -27,7 +27,7 @@ from ..claims.context import STATE_KEY, IdempotencyInfo, enter, leave
 from ..claims.decide import Action, decide
 from ..claims.session import ClaimSession, Runtime
 from ..errors import BackendMisconfigured, StoreFull
-from ..records import Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
+from ..records import COMPLETED, Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
 from ..transform import AnswerTransform, seal, unseal
 from . import problems
 from .admission import Refused, parsed_key, request_scope, sentence
@@ -95,6 +95,20 @@ class Protected(ClaimSession):
                 if self.rt.observer is not None:
                     self.emit("claimed")
                 await self._run(result.token)
+                return
+            assert isinstance(result, Existing)
+            record = result.record
+            stored = record.response
+            if (  # the usual repeat: `decide`'s REPLAY, answered without it or the core's loop
+                stored is not None
+                and stored.replayable
+                and record.state == COMPLETED
+                and record.fingerprint == self.fingerprint
+                and not stored.sealed
+            ):
+                if self.rt.observer is not None:
+                    self.emit("replayed")
+                await self._replay(stored, record.expires_at)
             else:
                 await self._act(result)
         except Refused as refusal:
