@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar, Token
 from typing import TYPE_CHECKING, Final, Protocol
@@ -92,15 +92,12 @@ def current_idempotency() -> IdempotencyInfo | None:
     return _current.get()
 
 
-def enter(info: IdempotencyInfo) -> Token[IdempotencyInfo | None]:
-    """Make `info` what `current_idempotency()` returns, until `leave(token)` (no context manager: the
-    middleware's hot path)."""
-    return _current.set(info)
+enter: Callable[[IdempotencyInfo], Token[IdempotencyInfo | None]] = _current.set
+"""Make `info` what `current_idempotency()` returns, until `leave(token)` (no context manager, and
+the ContextVar's own method, not a function around it: the middleware's hot path)."""
 
-
-def leave(token: Token[IdempotencyInfo | None]) -> None:
-    """Undo `enter`."""
-    _current.reset(token)
+leave: Callable[[Token[IdempotencyInfo | None]], None] = _current.reset
+"""Undo `enter`."""
 
 
 class HeldClaim:

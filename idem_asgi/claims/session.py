@@ -262,7 +262,7 @@ class ClaimSession:
 
     def ended(self, answer: StoredResponse | None) -> None:
         """Tell repeats held in this process that the claim ended (with its stored answer, or without)."""
-        if self.rt.waiters:
+        if self.rt.waiters.by_digest:
             rkey = self.rkey
             assert rkey is not None
             self.rt.waiters.ended(rkey.digest, self.token, answer)

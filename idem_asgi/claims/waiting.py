@@ -23,48 +23,49 @@ lost its claim), or when the store's notices were interrupted: it must ask the s
 class Waiters:
     """Futures of held repeats, per digest, each with the token of the claim it waits on."""
 
-    __slots__ = ("_by_digest",)
+    __slots__ = ("by_digest",)
 
     def __init__(self) -> None:
-        self._by_digest: dict[str, dict[asyncio.Future[Any], int]] = {}
+        self.by_digest: dict[str, dict[asyncio.Future[Any], int]] = {}
+        """Empty while nobody waits: what a holder looks at (a dict's truth, no method call)."""
 
     def __bool__(self) -> bool:
-        return bool(self._by_digest)
+        return bool(self.by_digest)
 
     def watch(self, digest: str, token: int) -> asyncio.Future[Any]:
         """A future resolved with the holder's stored answer, or `ENDED`."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._by_digest.setdefault(digest, {})[future] = token
+        self.by_digest.setdefault(digest, {})[future] = token
         return future
 
     def forget(self, digest: str, future: asyncio.Future[Any]) -> None:
-        waiting = self._by_digest.get(digest)
+        waiting = self.by_digest.get(digest)
         if waiting is not None:
             waiting.pop(future, None)
             if not waiting:
-                del self._by_digest[digest]
+                del self.by_digest[digest]
 
     def ended(self, digest: str, token: int, answer: StoredResponse | None) -> None:
         """The claim `token` ended in this process: hand its waiters `answer` (stored), or `ENDED`."""
-        waiting = self._by_digest.get(digest)
+        waiting = self.by_digest.get(digest)
         if not waiting:
             return
         woken = [future for future, t in waiting.items() if t == token]
         for future in woken:
             del waiting[future]
         if not waiting:
-            del self._by_digest[digest]
+            del self.by_digest[digest]
         _wake(woken, ENDED if answer is None else answer)
 
     def changed(self, digest: str | None) -> None:
         """The store says the record of `digest` changed (a claim ended in another process); None:
         its notices were interrupted, so any record may have changed unseen."""
         if digest is None:
-            everyone, self._by_digest = self._by_digest, {}
+            everyone, self.by_digest = self.by_digest, {}
             for waiting in everyone.values():
                 _wake(list(waiting), ENDED)
             return
-        _wake(list(self._by_digest.pop(digest, ())), ENDED)
+        _wake(list(self.by_digest.pop(digest, ())), ENDED)
 
 
 def _wake(futures: list[asyncio.Future[Any]], outcome: Any) -> None:

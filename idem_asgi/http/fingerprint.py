@@ -92,8 +92,10 @@ class RawBody:
         self.headers = _lower(headers)
 
     def begin(self, scope: Scope) -> Hasher:
-        h: Hasher = _head(scope, self.headers)
-        return h
+        if self.headers:
+            h: Hasher = _head(scope, self.headers)
+            return h
+        return hashlib.sha256(_prefix(scope["method"], scope["path"], scope["query_string"]))  # (`_head`, inline)
 
     def __repr__(self) -> str:
         return f"RawBody(headers={self.headers!r})"

@@ -142,7 +142,7 @@ class Protected(ClaimSession):
             await self.rt.app(scope, self.receive, self.send)
             return False
         # The scope needs no body: a request that names nobody is refused before any body work.
-        stored_owner, self.owner = request_scope(route, scope)
+        stored_owner, self.owner = request_scope(route, scope) if route.scope is not None else (None, None)
         limit = route.max_body
         if length is not None and len(length) >= route.max_body_digits and length_over(length, limit):
             raise self._too_large()
@@ -302,7 +302,7 @@ class Protected(ClaimSession):
             await self.end(response.status, keep=self.effect)
             return
         try:
-            sealed = self._sealed(response)
+            sealed = response if self.rt.transform is None else self._sealed(response)
         except Exception as exc:  # the client still gets its answer; the claim stays, as after a failed write
             self.ended(None)
             self.emit("store_error", response.status)

@@ -102,7 +102,13 @@ class PathTable(Generic[T]):
         method = scope["method"]
         if method not in self.methods:
             return None
-        return self.match(route_path(scope), method)
+        path: str = scope["path"]
+        if scope.get("root_path"):  # mounted: the path relative to the mount (no call when not)
+            path = route_path(scope)
+        for verbs, value in self._exact.get(path, ()):  # (`match`, inline: the usual exact path)
+            if method in verbs:
+                return value
+        return self.match(path, method) if self._patterns else None
 
 
 class Route:
