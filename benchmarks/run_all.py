@@ -3,7 +3,9 @@
 Runs round trips, overhead (quick), the scale curve, retry storms with the strawman (quick), held
 repeats (`wait=2`) against 409 at 2 workers, 10,000 repeats held in one process, durable claims,
 bytes per request and record, the cost of a NATS consumer adapter per message, fingerprint rules
-per MiB, and the large Postgres table (100,000 rows unless `--rows`), writes every table to
+per MiB, the large Postgres table (100,000 rows unless `--rows`), the Redis clients' CPU and system
+calls per call, and (with valgrind) the instructions per request of the middleware and the floors,
+prints every target met/MISSED, writes every table to
 `benchmarks/out/report.md` and draws the scale curve to `docs/benchmarks.png` (matplotlib, the
 `bench` extra). Each benchmark also runs alone; see benchmarks/README.md.
 """
@@ -14,6 +16,7 @@ import argparse
 import datetime
 import json
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -59,6 +62,9 @@ def chart(rows: list[dict[str, float]]) -> None:
     fig.savefig(CHART, dpi=90)
 
 
+CALLGRIND = ("--valgrind", "--backends", "memory,floor,forward", "--cases", "new-key,replay")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=100_000, help="rows for the large Postgres table")
@@ -86,7 +92,20 @@ def main(argv: list[str] | None = None) -> int:
         run("Message consumers (NATS JetStream)", ["benchmarks.bench_consumers"]),
         run("Fingerprint rules per MiB", ["benchmarks.bench_fingerprint", "--sizes", "16384,1048576,4194304"]),
         run("Large Postgres table", ["benchmarks.bench_postgres_table", "--rows", str(args.rows)]),
+        run(
+            "Redis clients: CPU and system calls per call",
+            ["benchmarks.bench_redis_clients", "--calls", "5000", *(["--syscalls"] if shutil.which("strace") else [])],
+        ),
     ]
+    if shutil.which("valgrind"):  # deterministic: the instruction targets are read from here
+        sections.append(
+            run(
+                "Instructions per request (callgrind)",
+                ["benchmarks.bench_overhead", *CALLGRIND, "--valgrind-requests", "600"],
+            )
+        )
+    else:
+        print("no instruction counts: apt-get install valgrind", flush=True)
     print("== Scale curve: python -m benchmarks.bench_scale --json", flush=True)
     scale = subprocess.run(
         [sys.executable, "-m", "benchmarks.bench_scale", "--json"],
