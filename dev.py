@@ -86,6 +86,7 @@ def main(argv: list[str]) -> int:
                 return code
         return run("-m", "pytest", "--durations=15", *rest)  # the 15 slowest tests, at the end
     if job == "bench":
+        setup("bench")  # uvloop and httptools (the servers production runs), matplotlib (the chart)
         return run("-m", "benchmarks.run_all", *rest)
     if job == "soak":
         return run("-m", "tools.soak", *rest)

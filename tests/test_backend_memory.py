@@ -187,6 +187,26 @@ async def test_the_sweep_keeps_a_completed_record_until_its_completion_expiry_an
     assert len(backend) == 3 and backend.stored_bytes == 0  # "late" swept, with its bytes
 
 
+async def test_a_repeat_after_the_key_was_answered_anew_gets_the_new_answer_not_a_kept_one() -> None:
+    """The store keeps lately replayed answers decoded; a record answered again (after its expiry,
+    a new claim, a new answer) is never replayed with the answer kept for the old one."""
+    clock = Clock()
+    backend = MemoryBackend(clock=clock)
+    older, newer = RESPONSE, StoredResponse(202, [(b"content-type", b"text/plain")], b"newer")
+    first = await backend.claim(k(1), b"fp", lease=5, ttl=10)
+    assert isinstance(first, Claimed) and await backend.complete(k(1), first.token, older, ttl=10)
+    for _ in range(3):  # replayed, and kept decoded
+        seen = await backend.claim(k(1), b"fp", lease=5, ttl=10)
+        assert isinstance(seen, Existing) and seen.record.response == older
+    clock.now += 10
+    again = await backend.claim(k(1), b"fp", lease=5, ttl=10)
+    assert isinstance(again, Claimed) and await backend.complete(k(1), again.token, newer, ttl=10)
+    seen = await backend.claim(k(1), b"fp", lease=5, ttl=10)
+    assert isinstance(seen, Existing) and seen.record.response == newer
+    rec = await backend.get(k(1))
+    assert rec is not None and rec.response == newer
+
+
 async def test_leases_are_judged_by_the_injected_clock() -> None:
     clock = Clock(5_000.0)
     backend = MemoryBackend(clock=clock)

@@ -42,6 +42,10 @@ from ..records import (
 from ._base import ClosingMixin, new_token
 
 
+_REPLAYED = 256
+"""Completed records whose decoded answers the memory store keeps at once (see `_answered`)."""
+
+
 def _size(r: StoredResponse) -> int:
     """Bytes a stored answer holds: body, headers, trailers."""
     size = len(r.body)
@@ -97,6 +101,9 @@ class MemoryBackend(ClosingMixin):
         # collector never traverses (a held StoredResponse's header list would be, on every full
         # collection, so pauses would grow with the store)
         self._answers: dict[str, bytes] = {}
+        # digest -> (its completed record, as callers see it): the answers replayed lately, decoded
+        # once (a retry storm replays one answer many times); bounded, so the collector's work is too
+        self._replayed: dict[str, tuple[Record, Record]] = {}
         self._bytes = 0
         self._expiry: list[tuple[float, str]] = []
         self._lock = threading.Lock()
@@ -117,16 +124,25 @@ class MemoryBackend(ClosingMixin):
         return rec
 
     def _answered(self, digest: str, rec: Record) -> Record:
-        """`rec` as callers see it: a completed record carries its answer, decoded."""
-        if rec.state == COMPLETED:
-            return msgspec.structs.replace(rec, response=decode_response(self._answers[digest]))
-        return rec
+        """`rec` as callers see it: a completed record carries its answer, decoded (once per record
+        while it is among the last `_REPLAYED` replayed: callers never change what they are handed)."""
+        if rec.state != COMPLETED:
+            return rec
+        seen = self._replayed.get(digest)
+        if seen is not None and seen[0] is rec:
+            return seen[1]
+        answered = msgspec.structs.replace(rec, response=decode_response(self._answers[digest]))
+        if len(self._replayed) >= _REPLAYED:
+            self._replayed.clear()
+        self._replayed[digest] = (rec, answered)
+        return answered
 
     def _drop(self, digest: str) -> None:
         del self._records[digest]
         key = self._keys.pop(digest)
         size = self._sizes.pop(digest, 0)
         self._answers.pop(digest, None)
+        self._replayed.pop(digest, None)
         self._bytes -= size
         if key.scope:
             usage = self._scopes[key.scope]
