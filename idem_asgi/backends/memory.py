@@ -41,7 +41,6 @@ from ..records import (
 )
 from ._base import ClosingMixin, new_token
 
-
 _REPLAYED = 256
 """Completed records whose decoded answers the memory store keeps at once (see `_answered`)."""
 
