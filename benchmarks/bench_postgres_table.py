@@ -2,7 +2,7 @@
 
 Two tables with the backend's own DDL: one empty, one filled with `--rows` completed records
 (by one `INSERT ... SELECT generate_series`, then `VACUUM ANALYZE`, the state autovacuum keeps a
-steady table in). Expiry times are spread over 30 days, with 1 % already past their TTL so the
+steady table in). Expiry times are spread over days 1 to 30, with 1 % already past their TTL so the
 purge can be timed too. Then, alternating between the two tables in blocks so both see the same
 background load, one request at a time:
 
@@ -45,7 +45,11 @@ HEADERS = [(b"content-type", b"application/json")]
 FILL = """
 INSERT INTO {table} (namespace, scope, key, state, fingerprint, token, lease_until, expires_at, created_at,
                      status, headers, body, replayable)
-SELECT 'bench', 'tenant-' || (i % 1000), md5(i::text), 'c', sha256(int8send(i)), i,
+SELECT 'bench', '', E'\\x1f' || encode(sha256(  -- the key as the store keeps it: its digest (RecordKey.build)
+         int4send(5) || convert_to('bench', 'UTF8')
+         || int4send(octet_length('tenant-' || (i % 1000))) || convert_to('tenant-' || (i % 1000), 'UTF8')
+         || int4send(32) || convert_to(md5(i::text), 'UTF8')), 'hex'),
+       'c', sha256(int8send(i)), i,
        e - interval '30 days', e, e - interval '30 days',
        201, $2::bytea,
        convert_to('{{"id":"pay_' || md5(i::text) || '","status":"succeeded","amount":' || i || ',"currency":"EUR"}}',
@@ -53,7 +57,7 @@ SELECT 'bench', 'tenant-' || (i % 1000), md5(i::text), 'c', sha256(int8send(i)),
        true
 FROM generate_series(1, $1::int) AS i,
      LATERAL (SELECT CASE WHEN i % 100 = 0 THEN now() - interval '1 hour'
-                          ELSE now() + (i % {ttl}) * interval '1 second' END AS e) AS x
+                          ELSE now() + (86400 + i % ({ttl} - 86400)) * interval '1 second' END AS e) AS x
 """
 
 
