@@ -184,6 +184,9 @@ class MemoryBackend(ClosingMixin):
             rec = records.get(digest)
             if rec is not None:
                 if rec.expires_at > now:
+                    seen = self._replayed.get(digest)  # (`_answered`'s first step, inline: a storm's repeat)
+                    if seen is not None and seen[0] is rec:
+                        return Existing(seen[1], now)
                     return Existing(self._answered(digest, rec), now)
                 self._drop(digest)  # expired: treated as absent
             expiry = self._expiry

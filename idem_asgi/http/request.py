@@ -340,8 +340,7 @@ class Protected(ClaimSession):
 
     async def _replay(self, response: StoredResponse, expires_at: float) -> None:
         """Send the stored answer verbatim, marked as a replay (and, if asked, when it expires)."""
-        headers = list(response.headers)
-        headers.append(self.rt.replay_header)
+        headers = [*response.headers, self.rt.replay_header]
         if self.route.advertise_expiry:
             headers.append(_expires(expires_at))
         trailers = response.trailers
