@@ -23,6 +23,13 @@ from typing import Any
 from idem_asgi._types import ASGIApp, Message, Receive, Scope, Send
 
 
+def _key_on(scope: Scope, path: str) -> bytes | None:
+    """The request's idempotency key when it is an HTTP request to `path` (else it passes through)."""
+    if scope["type"] != "http" or scope["path"] != path:
+        return None
+    return next((v for k, v in scope["headers"] if k == b"idempotency-key"), None)
+
+
 class Forward:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -38,10 +45,7 @@ class Capture:
         self.stored: dict[bytes, tuple[bytes, list[Message]]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] != self.path:
-            await self.app(scope, receive, send)
-            return
-        key = next((v for k, v in scope["headers"] if k == b"idempotency-key"), None)
+        key = _key_on(scope, self.path)
         if key is None:
             await self.app(scope, receive, send)
             return
@@ -87,10 +91,7 @@ class Naive:
         self.redis = redis.Redis(connection_pool=pool)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] != self.path:
-            await self.app(scope, receive, send)
-            return
-        key = next((v for k, v in scope["headers"] if k == b"idempotency-key"), None)
+        key = _key_on(scope, self.path)
         if key is None:
             await self.app(scope, receive, send)
             return
