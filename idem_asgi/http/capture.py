@@ -47,6 +47,7 @@ class Capture:
         "_chunks",
         "_excluded",
         "_gone",
+        "_handed",
         "_headers",
         "_limit",
         "_on_final",
@@ -73,6 +74,7 @@ class Capture:
         self._send = send
         self._receive = receive
         self._body: list[bytes] | None = body  # the request body's chunks, handed to the app once, then None
+        self._handed = 0  # how many of them
         self._gone = False
         self._on_final = on_final
         self._excluded = excluded
@@ -106,11 +108,12 @@ class Capture:
         """
         chunks = self._body
         if chunks is not None:
-            if len(chunks) < 2:  # the usual case: the body came in one message
+            i = self._handed
+            self._handed = i + 1
+            more = self._handed < len(chunks)
+            if not more:
                 self._body = None
-                return {"type": "http.request", "body": chunks[0] if chunks else b"", "more_body": False}
-            chunk = chunks.pop(0)  # (a list of tens of chunks: popping its head is cheap)
-            return {"type": "http.request", "body": chunk, "more_body": True}
+            return {"type": "http.request", "body": chunks[i] if chunks else b"", "more_body": more}
         if not self._gone:
             message = await self._receive()
             if message["type"] != "http.disconnect":

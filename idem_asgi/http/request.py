@@ -24,10 +24,10 @@ import anyio
 from .._logging import redact, throttled
 from .._types import ASGIApp, Message, Receive, Scope, Send
 from ..claims.context import STATE_KEY, IdempotencyInfo, enter, leave
-from ..claims.decide import Action, decide
+from ..claims.decide import REPLAY, Action, decide
 from ..claims.session import ClaimSession, Runtime
 from ..errors import BackendMisconfigured, StoreFull
-from ..records import COMPLETED, Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
+from ..records import Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
 from ..transform import AnswerTransform, seal, unseal
 from . import problems
 from .admission import Refused, parsed_key, request_scope, sentence
@@ -96,19 +96,12 @@ class Protected(ClaimSession):
                     self.emit("claimed")
                 await self._run(result.token)
                 return
-            assert isinstance(result, Existing)
-            record = result.record
-            stored = record.response
-            if (  # the usual repeat: `decide`'s REPLAY, answered without it or the core's loop
-                stored is not None
-                and stored.replayable
-                and record.state == COMPLETED
-                and record.fingerprint == self.fingerprint
-                and not stored.sealed
-            ):
+            if decide(result, self.fingerprint) is REPLAY:  # the usual repeat: without the core's loop
+                assert isinstance(result, Existing) and result.record.response is not None
                 if self.rt.observer is not None:
                     self.emit("replayed")
-                await self._replay(stored, record.expires_at)
+                stored = result.record.response
+                await self._replay(self._opened(stored) if stored.sealed else stored, result.record.expires_at)
             else:
                 await self._act(result)
         except Refused as refusal:
@@ -202,12 +195,6 @@ class Protected(ClaimSession):
     async def _act(self, result: ClaimResult) -> None:
         """Decide what the claim's outcome means (waiting, recovering), then run, replay or refuse."""
         route = self.route
-        if isinstance(result, Existing) and decide(result, self.fingerprint) is Action.REPLAY:
-            self.emit("replayed")  # the usual repeat, answered without the core's loop
-            stored = result.record.response
-            assert stored is not None
-            await self._replay(self._opened(stored), result.record.expires_at)
-            return
         try:
             action, outcome = await self.decided(result, self._recover)
         except Refused:
