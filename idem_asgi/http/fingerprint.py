@@ -15,6 +15,7 @@ import msgspec
 
 from .._types import Scope
 from ..errors import ConfigurationError
+from ..records import short_sha256
 from .fields import (
     canonical_form,
     drop,
@@ -96,6 +97,18 @@ class RawBody:
             h: Hasher = _head(scope, self.headers)
             return h
         return hashlib.sha256(_prefix(scope["method"], scope["path"], scope["query_string"]))  # (`_head`, inline)
+
+    def whole(self, scope: Scope, body: bytes) -> bytes:
+        """The digest of a body that came in one piece (the usual case): `begin`, `update`, `digest`
+        in one call, by CPython's own sha256 for a short body (OpenSSL's setup costs more than
+        hashing a few hundred bytes). The same digest either way."""
+        if self.headers or len(body) >= SHORT_BODY:
+            h = self.begin(scope)
+            h.update(body)
+            return h.digest()
+        prefix = _prefix(scope["method"], scope["path"], scope["query_string"])
+        digest: bytes = short_sha256(prefix + body).digest()
+        return digest
 
     def __repr__(self) -> str:
         return f"RawBody(headers={self.headers!r})"
@@ -249,6 +262,8 @@ class custom:
         return _Buffered(lambda body: self.func(scope, body))
 
 
+SHORT_BODY: Final = 4096
+"""Bodies shorter than this are hashed by CPython's sha256, longer ones by OpenSSL's (`RawBody.whole`)."""
 OFFLOAD_BYTES: Final = 64 * 1024
 """From this size on, rules that read the whole body (`JsonIgnoring`, `Fields`, `custom`) run in a
 worker thread: at ~15 ms per MiB, a larger body would hold the event loop for more than a ms."""

@@ -64,7 +64,7 @@ class HttpRuntime(Runtime):
 class Protected(ClaimSession):
     """The state and steps of one request on a protected route: the ASGI adapter of a claim session."""
 
-    __slots__ = ("chunks", "key", "owner", "receive", "route", "scope", "send")
+    __slots__ = ("chunks", "key", "owner", "receive", "route", "scope", "send", "stored_owner")
     rt: HttpRuntime
 
     def __init__(self, rt: HttpRuntime, route: Route, scope: Scope, receive: Receive, send: Send) -> None:
@@ -74,7 +74,8 @@ class Protected(ClaimSession):
         self.receive = receive
         self.send = send
         self.key = ""
-        self.owner: str | None = None
+        self.owner: str | None = None  # whom the key belongs to, as the handler is told
+        self.stored_owner: str | None = None  # and as it is stored (a long scope is stored as its digest)
         self.chunks: list[bytes] = []  # the body as it came, never joined by us (`read_chunks`)
 
     # -- the steps --------------------------------------------------------------------------------
@@ -82,9 +83,28 @@ class Protected(ClaimSession):
     async def handle(self) -> None:
         """Answer the request: pass it through, refuse it, replay the stored answer, or run the app once."""
         try:
-            if not await self._prepare():
+            route, scope = self.route, self.scope
+            given = self._given()
+            if given is None and route.key_source is None:
+                await self.rt.app(scope, self.receive, self.send)  # no key on a route that does not require one
                 return
-            route, rkey = self.route, self.rkey
+            # The body, in the request's own coroutine for the usual case (one message, default rule).
+            message = await self.receive()
+            if message["type"] == "http.request" and not message.get("more_body", False) and route.whole is not None:
+                body = message.get("body", b"")
+                if len(body) > route.max_body:
+                    raise self._too_large()
+                self.chunks = [body]
+                self.fingerprint = route.whole(scope, body)
+            elif not await self._read(message):
+                return  # the client left before anything was claimed
+            if route.key_source is None:
+                assert given is not None
+                self.key = given
+                self.rkey = RecordKey.build(self.rt.namespace, self.stored_owner, given)
+            elif not await self._derive(given):
+                return
+            rkey = self.rkey
             assert rkey is not None
             try:  # (the store's own call, not `self.claim()`: one coroutine less on the hot path)
                 result = await self.rt.store.claim(rkey, self.fingerprint, lease=route.lease, ttl=route.ttl)
@@ -115,8 +135,9 @@ class Protected(ClaimSession):
                 base=problems.located(self.rt.problem_base, self.scope),
             )
 
-    async def _prepare(self) -> bool:
-        """Read the key, the scope and the body. False when the request was passed through or ended."""
+    def _given(self) -> str | None:
+        """The key header, the scope and the declared length, before any body work (`Refused` if bad):
+        the key given (None: none given), with `owner` and `stored_owner` set."""
         route, scope = self.route, self.scope
         raw: bytes | None = None
         count = 0
@@ -132,50 +153,46 @@ class Protected(ClaimSession):
         if given is None and route.key_source is None:
             if route.required:
                 raise Refused(problems.KEY_REQUIRED, f"This operation requires an {route.header_name} header.")
-            await self.rt.app(scope, self.receive, self.send)
-            return False
+            return None
         # The scope needs no body: a request that names nobody is refused before any body work.
-        stored_owner, self.owner = request_scope(route, scope) if route.scope is not None else (None, None)
-        limit = route.max_body
-        if length is not None and len(length) >= route.max_body_digits and length_over(length, limit):
+        if route.scope is not None:
+            self.stored_owner, self.owner = request_scope(route, scope)
+        if length is not None and len(length) >= route.max_body_digits and length_over(length, route.max_body):
             raise self._too_large()
-        hasher = route.fingerprint.begin(scope)
-        message = await self.receive()
-        if message["type"] == "http.request" and not message.get("more_body", False):
-            body = message.get("body", b"")  # the whole body in one message: the usual case
-            size = len(body)
-            if size > limit:
-                raise self._too_large()
-            hasher.update(body)
-            chunks = [body]
-        else:
-            try:
-                read = await read_chunks(self.receive, limit, hasher.update, first=message)
-            except TooLarge:
-                raise self._too_large() from None
-            if read is None:
-                return False  # the client left before anything was claimed
-            chunks = read
-            size = sum(map(len, chunks))
-        self.chunks = chunks
+        return given
+
+    async def _read(self, first: Message) -> bool:
+        """The body in several messages, or for a rule other than the default: read it, hashed as it
+        comes. False when the client left first."""
+        route = self.route
+        hasher = route.fingerprint.begin(self.scope)
+        try:
+            read = await read_chunks(self.receive, route.max_body, hasher.update, first=first)
+        except TooLarge:
+            raise self._too_large() from None
+        if read is None:
+            return False
+        self.chunks = chunks = read
+        size = sum(map(len, chunks))
         # (a small body's digest is taken here: `digest` only matters for a large body to parse)
         self.fingerprint = hasher.digest() if size < OFFLOAD_BYTES else await digest(hasher, size)
-        if route.key_source is None:
-            assert given is not None
-            self.key = stored = given
-        else:
-            derived = route.key_source(scope, b"".join(chunks), given)
-            if derived is None:
-                if route.required:
-                    raise Refused(
-                        problems.KEY_REQUIRED, "This operation needs the fields its idempotency key is made of."
-                    )
-                await self.rt.app(scope, replaying(chunks, self.receive), self.send)
-                return False
-            # A derived key lives in its route's own key space: never a header key's, nor another route's.
-            self.key = derived
-            stored = route_key(scope["method"], route_path(scope), derived)
-        self.rkey = RecordKey.build(self.rt.namespace, stored_owner, stored)
+        return True
+
+    async def _derive(self, given: str | None) -> bool:
+        """A route whose key is derived from the request (`RoutePolicy(key=...)`): set the key, or pass
+        the request through (False) when it has none and the route does not require one."""
+        route, scope = self.route, self.scope
+        assert route.key_source is not None
+        derived = route.key_source(scope, b"".join(self.chunks), given)
+        if derived is None:
+            if route.required:
+                raise Refused(problems.KEY_REQUIRED, "This operation needs the fields its idempotency key is made of.")
+            await self.rt.app(scope, replaying(self.chunks, self.receive), self.send)
+            return False
+        # A derived key lives in its route's own key space: never a header key's, nor another route's.
+        self.key = derived
+        stored = route_key(scope["method"], route_path(scope), derived)
+        self.rkey = RecordKey.build(self.rt.namespace, self.stored_owner, stored)
         return True
 
     async def _claim_failed(self, exc: Exception) -> None:

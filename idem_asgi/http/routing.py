@@ -137,6 +137,7 @@ class Route:
         "scope",
         "ttl",
         "wait",
+        "whole",
     )
 
     def __init__(self, policy: RoutePolicy, header: str, scope: ScopeFunc | None, recover: RecoverHook | None) -> None:
@@ -163,6 +164,8 @@ class Route:
         )
         self.key_source = policy.key
         self.fingerprint: FingerprintRule = policy.fingerprint or getattr(policy.key, "fingerprint", None) or RawBody()
+        # The default rule hashes a body that came in one piece in one call (`RawBody.whole`).
+        self.whole = self.fingerprint.whole if type(self.fingerprint) is RawBody else None  # (not a subclass)
         if policy.single_tenant and policy.scope is not None:
             raise ConfigurationError(f"{where}: single_tenant=True and a scope callable contradict each other")
         # A single-tenant route has one key space: the middleware's scope callable does not apply.
