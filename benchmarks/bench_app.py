@@ -22,6 +22,9 @@ Selected by environment variables (read once, at start-up):
 - `IDEM_BENCH_COUNTER_URL` / `IDEM_BENCH_COUNTER_PREFIX`: where `/pay` counts executions (unset: no count).
 - `IDEM_BENCH_PAY_SLEEP`: seconds `/pay` sleeps (default 0.01).
 - `IDEM_BENCH_WAIT`: `wait=` (seconds) on `/pay`: repeats of a running payment are held, not 409.
+- `IDEM_BENCH_ROUTE_REDIS`: a Redis URL; `/noop` and `/open` then do one `GET` there themselves (the
+  app's own redis-py client), as a real endpoint does some I/O: the route the outside measurements
+  of issue #29 used. Unset: they do nothing.
 
 Run: `uvicorn --factory benchmarks.bench_app:create_app`.
 """
@@ -84,13 +87,30 @@ def build_bare() -> FastAPI:
     async def health() -> dict[str, Any]:
         return {"status": "ok", "idem_asgi": os.path.dirname(idem_asgi.__file__), "pid": os.getpid()}
 
-    @app.post("/noop")
-    async def noop() -> dict[str, Any]:
-        return NOOP_BODY
+    route_redis = os.environ.get("IDEM_BENCH_ROUTE_REDIS", "")
+    if route_redis:
+        import redis.asyncio as aioredis
 
-    @app.post("/open")
-    async def open_route() -> dict[str, Any]:
-        return NOOP_BODY
+        own = aioredis.Redis.from_url(route_redis)  # the app's own client, as an app makes one
+
+        @app.post("/noop")
+        async def noop_io() -> dict[str, Any]:
+            await own.get("idem-bench-route-io")
+            return NOOP_BODY
+
+        @app.post("/open")
+        async def open_io() -> dict[str, Any]:
+            await own.get("idem-bench-route-io")
+            return NOOP_BODY
+    else:
+
+        @app.post("/noop")
+        async def noop() -> dict[str, Any]:
+            return NOOP_BODY
+
+        @app.post("/open")
+        async def open_route() -> dict[str, Any]:
+            return NOOP_BODY
 
     @app.post("/read")
     async def read(request: Request) -> dict[str, Any]:

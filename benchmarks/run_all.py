@@ -1,13 +1,13 @@
 """One command for every benchmark: `python -m benchmarks.run_all` (a few minutes, local Redis and Postgres).
 
-Runs round trips, overhead (quick), the scale curve, retry storms with the strawman (quick), held
-repeats (`wait=2`) against 409 at 2 workers, 10,000 repeats held in one process, durable claims,
-bytes per request and record, the cost of a NATS consumer adapter per message, fingerprint rules
-per MiB, the large Postgres table (100,000 rows unless `--rows`), the Redis clients' CPU and system
-calls per call, and (with valgrind) the instructions per request of the middleware and the floors,
-prints every target met/MISSED, writes every table to
-`benchmarks/out/report.md` and draws the scale curve to `docs/benchmarks.png` (matplotlib, the
-`bench` extra). Each benchmark also runs alone; see benchmarks/README.md.
+Runs round trips, overhead (quick; again with a route that does one Redis GET itself), the scale
+curve, retry storms with the strawman (quick), held repeats (`wait=2`) against 409 at 2 workers,
+10,000 repeats held in one process, durable claims, bytes per request and record, the cost of a
+NATS consumer adapter per message, fingerprint rules per MiB, the large Postgres table (100,000
+rows unless `--rows`), the Redis clients' CPU and system calls per call, and (with valgrind) the
+instructions per request of the middleware and the floors, prints every target met/MISSED, writes
+every table to `benchmarks/out/report.md` and draws the scale curve to `docs/benchmarks.png`
+(matplotlib, the `bench` extra). Each benchmark also runs alone; see benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -73,6 +73,21 @@ def main(argv: list[str] | None = None) -> int:
     sections = [
         run("Store round trips", ["benchmarks.bench_roundtrips"]),
         run("Overhead", ["benchmarks.bench_overhead", "--quick"]),
+        run(
+            "Overhead, the route doing one Redis GET of its own",
+            [
+                "benchmarks.bench_overhead",
+                "--quick",
+                "--route-io",
+                "redis",
+                "--backends",
+                "memory,redis,postgres,floor,forward,naive",
+                "--cases",
+                "new-key,replay",
+                "--latency-samples",
+                "0",
+            ],
+        ),
         run("Retry storms vs strawman", ["benchmarks.bench_storm", "--quick"]),
         run(
             "Held repeats (wait=2) vs 409",

@@ -10,7 +10,7 @@ import pytest
 from idem_asgi.backends import MemoryBackend
 from idem_asgi.claims.decide import Action, decide
 from idem_asgi.errors import BackendUnavailable, ConfigurationError, StoreFull
-from idem_asgi.records import COMPLETED, Claimed, Existing, RecordKey, StoredResponse
+from idem_asgi.records import COMPLETED, Claimed, Existing, RecordKey, StoredResponse, encode_response
 
 RESPONSE = StoredResponse(201, [(b"content-type", b"text/plain")], b"ok")
 
@@ -81,7 +81,9 @@ async def test_the_byte_budget_refuses_new_claims_and_keeps_an_answer_over_it_as
     assert kept.response.replayable is False and kept.response.body == b""
     assert decide(Existing(kept, 0.0), b"fp") is Action.NOT_STORED  # 409 response-not-stored, never a re-run
     assert backend.stored_bytes <= 1_000
-    more = StoredResponse(201, [], b"y" * (1_000 - backend.stored_bytes))  # fills it exactly
+    room = 1_000 - backend.stored_bytes
+    framing = len(encode_response(StoredResponse(201, [], b"y" * room))) - room
+    more = StoredResponse(201, [], b"y" * (room - framing))  # fills it exactly, as encoded
     third = await backend.claim(k("c"), b"fp", lease=30, ttl=3_600)
     assert isinstance(third, Claimed)
     assert await backend.complete(k("c"), third.token, more, ttl=3_600)
@@ -176,7 +178,7 @@ async def test_the_sweep_keeps_a_completed_record_until_its_completion_expiry_an
     assert await backend.complete(k("short"), short.token, RESPONSE, ttl=1)  # expires at 9
     clock.now += 1.5  # 9.5: the short one is due, the claims' entries are not yet
     await backend.claim(k("tick-1"), b"fp", lease=5, ttl=100)  # a claim sweeps what is due
-    assert len(backend) == 2 and backend.stored_bytes == len(RESPONSE.body) + sum(map(len, RESPONSE.headers[0]))
+    assert len(backend) == 2 and backend.stored_bytes == len(encode_response(RESPONSE))
     clock.now += 1  # 10.5: the claims' entries come up; "late" is completed, due at 18
     await backend.claim(k("tick-2"), b"fp", lease=5, ttl=100)
     assert len(backend) == 3

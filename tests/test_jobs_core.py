@@ -192,7 +192,7 @@ def _convert_for(currency: str):  # type: ignore[no-untyped-def]
 
 
 async def test_a_job_result_over_the_memory_budget_is_listed_by_stale_and_reconciled() -> None:
-    store, namespace, runs = MemoryBackend(max_bytes=64), fresh(), []
+    store, namespace, runs = MemoryBackend(max_bytes=128), fresh(), []
 
     @idempotent(store, args=["order_id"], namespace=namespace)
     async def export(order_id: str) -> str:

@@ -45,23 +45,13 @@ _REPLAYED = 256
 """Completed records whose decoded answers the memory store keeps at once (see `_answered`)."""
 
 
-def _size(r: StoredResponse) -> int:
-    """Bytes a stored answer holds: body, headers, trailers."""
-    size = len(r.body)
-    for k, v in r.headers:
-        size += len(k) + len(v)
-    if r.trailers:
-        for k, v in r.trailers:
-            size += len(k) + len(v)
-    return size
-
-
 class MemoryBackend(ClosingMixin):
     """Records in a dict, bounded by entries, bytes and a per-scope share; never evicted before expiry.
 
     Args:
         max_entries: Most records held at once (running and completed).
-        max_bytes: Most bytes of stored answers (bodies, headers, trailers) held at once.
+        max_bytes: Most bytes of stored answers held at once, as the store keeps them (bodies,
+            headers, trailers, and a few bytes of framing each).
         scope_share: The fraction of `max_entries` and of `max_bytes` one scope may hold (the
             unscoped key space of single-tenant routes is exempt).
         clock: Seconds since the epoch (tests pass a fake one).
@@ -243,7 +233,8 @@ class MemoryBackend(ClosingMixin):
                 if rec is not None and rec.expires_at <= now:
                     self._drop(digest)
                 return False
-            size = _size(response)
+            encoded = encode_response(response)
+            size = len(encoded)  # what it holds: body, headers, trailers, and a few bytes of framing
             if not self._fits(key, size):
                 if JOB_MARK in response.headers:  # a job's result is its only outcome: reconcile it
                     self._set(
@@ -251,10 +242,10 @@ class MemoryBackend(ClosingMixin):
                     )
                     return True
                 # Over the byte budget: keep the outcome (never run it twice), not the bytes.
-                response, size = StoredResponse(response.status, [], b"", replayable=False), 0
+                encoded, size = encode_response(StoredResponse(response.status, [], b"", replayable=False)), 0
             expires_at = now + ttl
             self._records[digest] = Record(COMPLETED, rec.fingerprint, token, now, expires_at, ttl=rec.ttl)
-            self._answers[digest] = encode_response(response)
+            self._answers[digest] = encoded
             if size:
                 self._sizes[digest] = size
                 self._bytes += size

@@ -19,7 +19,7 @@ import anyio
 from .._types import Message, Receive, Send
 from ..records import StoredResponse
 
-OnFinal = Callable[[StoredResponse], Awaitable[None]]
+OnFinal = Callable[[StoredResponse], Awaitable[object]]
 Pairs = list[tuple[bytes, bytes]]
 
 
@@ -67,7 +67,6 @@ class Capture:
         receive: Receive,
         body: list[bytes],
         on_final: OnFinal,
-        *,
         excluded: Container[bytes],
         limit: int,
     ) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Container
+from collections.abc import Awaitable, Container
 from dataclasses import dataclass
 from email.utils import formatdate
 from typing import Final, Literal
@@ -260,9 +260,7 @@ class Protected(ClaimSession):
         route = self.route
         self.begin(token)
         send = self.send if not route.advertise_expiry else _expiring(self.send, route.ttl, route.release_statuses)
-        capture = Capture(
-            send, self.receive, self.chunks, self._on_final, excluded=route.excluded, limit=route.max_stored_body
-        )
+        capture = Capture(send, self.receive, self.chunks, self._on_final, route.excluded, route.max_stored_body)
         info = IdempotencyInfo(self.key, self.owner, self)
         entered = enter(info)
         try:
@@ -299,21 +297,23 @@ class Protected(ClaimSession):
             scope = {**scope, "extensions": {k: v for k, v in extensions.items() if k not in HIDDEN_EXTENSIONS}}
         return scope
 
-    async def _on_final(self, response: StoredResponse) -> None:
-        """The app sent its whole answer: store it (or release the claim), before its last chunk goes out."""
+    def _on_final(self, response: StoredResponse) -> Awaitable[object]:
+        """The app sent its whole answer: store it (or release the claim), before its last chunk goes
+        out. Returns the store write to await (not a coroutine of its own: one frame less per request)."""
         self.stop()
         if response.status in self.route.release_statuses:
-            await self.end(response.status, keep=self.effect)
-            return
+            return self.end(response.status, keep=self.effect)
+        if self.rt.transform is None:
+            return self.complete(response, response.status)
         try:
-            sealed = response if self.rt.transform is None else self._sealed(response)
+            sealed = self._sealed(response)
         except Exception as exc:  # the client still gets its answer; the claim stays, as after a failed write
             self.ended(None)
             self.emit("store_error", response.status)
             key = self.key
             throttled(logging.ERROR, f"idem_asgi: the answer transform failed; key {key!r} not stored: {exc!r}")
-            return
-        await self.complete(sealed, response.status)
+            return _nothing()
+        return self.complete(sealed, response.status)
 
     async def _unfinished(self, capture: Capture, *, cancelled: bool) -> None:
         """The app raised, was cancelled, or returned without finishing its answer.
@@ -367,6 +367,10 @@ class Protected(ClaimSession):
         if isinstance(exc, BackendMisconfigured):
             return Refused(problems.STORE_MISCONFIGURED, event=None)
         return Refused(problems.STORE_UNAVAILABLE, retry_after=self.route.retry_after, event=None)
+
+
+async def _nothing() -> None:
+    """Nothing to write."""
 
 
 EXPIRES_HEADER: Final = b"idempotency-expires"
