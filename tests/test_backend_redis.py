@@ -397,6 +397,11 @@ async def test_the_client_serving_script_calls_is_the_one_implementation_names(p
             assert backend._lean is None
         async with RedisBackend(client) as backend:
             assert backend._lean is not None
+            claimed = await backend.claim(key, b"f", lease=5, ttl=5)
+            assert isinstance(claimed, Claimed) and await backend.release(key, claimed.token)
+            # The calls went through the lean pool: the user's client never opened a connection.
+            pool = client.connection_pool
+            assert not pool._available_connections and not pool._in_use_connections
     finally:
         await client.aclose()
 

@@ -147,8 +147,9 @@ class RedisBackend(Tools, ClosingMixin):
         self._start_lock = asyncio.Lock()
         # Registered once: each call is one EVALSHA; after a SCRIPT FLUSH or on a new node,
         # redis-py (or the lean pool) reloads the script on NOSCRIPT and retries.
-        scripts: Any = _lean if _lean is not None else client
-        register = scripts.script if _lean is not None else scripts.register_script
+        lean = self._lean  # (the pool built here for a user's client too, not only from_url's)
+        scripts: Any = lean if lean is not None else client
+        register = scripts.script if lean is not None else scripts.register_script
         self._claim = register(CLAIM)
         self._takeover = register(TAKEOVER)
         self._complete = register(COMPLETE)
