@@ -12,8 +12,9 @@ import hashlib
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Final, Literal
+
+import msgspec
 
 from .errors import MissingExtra, missing_extra
 
@@ -38,9 +39,9 @@ EVENT_NAMES: Final[tuple[str, ...]] = EventName.__args__  # type: ignore[attr-de
 _log = logging.getLogger("idem_asgi")
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
-    """One decision of the middleware about one request."""
+class Event(msgspec.Struct, frozen=True, gc=False):
+    """One decision of the middleware about one request (immutable; a msgspec Struct, not a frozen
+    dataclass: built ten times faster, and production observers see one or two per request)."""
 
     name: EventName
     route: str
