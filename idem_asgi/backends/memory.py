@@ -120,10 +120,6 @@ class MemoryBackend(ClosingMixin):
         seen = self._replayed.get(digest)
         if seen is not None and seen[0] is rec:
             return seen[1]
-        return self._decoded(digest, rec)
-
-    def _decoded(self, digest: str, rec: Record) -> Record:
-        """The completed `rec` with its answer decoded, kept among the lately replayed."""
         answered = msgspec.structs.replace(rec, response=decode_response(self._answers[digest]))
         if len(self._replayed) >= _REPLAYED:
             self._replayed.clear()
@@ -178,10 +174,7 @@ class MemoryBackend(ClosingMixin):
             rec = records.get(digest)
             if rec is not None:
                 if rec.expires_at > now:
-                    if rec.state != COMPLETED:
-                        return Existing(rec, now)
-                    seen = self._replayed.get(digest)  # (`_answered`, inline: a storm's repeat)
-                    return Existing(seen[1] if seen is not None and seen[0] is rec else self._decoded(digest, rec), now)
+                    return Existing(self._answered(digest, rec), now)
                 self._drop(digest)  # expired: treated as absent
             expiry = self._expiry
             if (
