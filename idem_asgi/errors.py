@@ -4,7 +4,8 @@ The tree::
 
     IdemError
     ├── ConfigurationError              bad policy, unknown URL scheme, bad CLI usage
-    │   └── MissingExtra (ImportError)  an optional dependency is not installed (the message says which extra)
+    │   ├── MissingExtra (ImportError)  an optional dependency is not installed (the message says which extra)
+    │   └── WrongAnswer                 a recover hook or resolver gave an answer of the wrong kind or shape
     ├── MalformedKey (ValueError)       an Idempotency-Key value is not a valid key (400 key-malformed)
     ├── InvalidScope (ValueError)       a scope callable refuses the request's scope (400 scope-malformed)
     ├── SignatureError (ValueError)     a webhook signature does not verify
@@ -59,6 +60,11 @@ def missing_extra(what: str, extra: str) -> MissingExtra:
         f'(python3 dev.py wheel): pip install "dist/idem_asgi-{version}-py3-none-any.whl[{extra}]"{alone}. '
         f'Once idem-asgi is on the package index: pip install "idem-asgi[{extra}]".'
     )
+
+
+class WrongAnswer(ConfigurationError):
+    """Raised when a recover hook, a resolver or the CLI gives a record an answer it cannot take: an
+    HTTP response for a job's record, a job result for a request's, a result its job cannot return."""
 
 
 class MalformedKey(IdemError, ValueError):
@@ -122,7 +128,10 @@ class JobError(IdemError):
 
 
 class InProgress(JobError):
-    """The first call with this key is still running (after waiting `wait` seconds)."""
+    """The first call with this key is still running (after waiting `wait` seconds); `here` is True
+    when it runs in this process (it will end here: stored, released or kept)."""
+
+    here: bool = False
 
 
 class KeyReused(JobError):

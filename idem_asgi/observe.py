@@ -30,6 +30,7 @@ EventName = Literal[
     "recovered",  # the recover hook or reclaim resolved an expired lease
     "outcome_unknown",  # nothing resolved it: 409 outcome-unknown
     "unresolved",  # the app failed after its answer started or after an effect: claim kept, outcome unknown
+    "interrupted",  # a job or message was cancelled or stopped after its claim: kept to its lease, like a crash
     "lease_extended",  # a long-running app's lease was renewed
     "lease_lost",  # renewal found the claim taken over
     "store_error",  # the store failed: 503 (or fail-open)

@@ -69,6 +69,9 @@ class Record(msgspec.Struct, frozen=True, gc=False):
     ttl: float | None = None
     """The TTL (seconds) the record was claimed with, so a resolved answer is kept as long as the
     route would keep it; None for records written by a version that did not store it."""
+    uncommitted: bool = False
+    """In progress, and its holder was inside a `transaction()` that had not committed, with no effect
+    marked before it (Postgres): if the holder is gone, nothing happened, so it is run again."""
 
 
 _namespaces: dict[str, bytes] = {}  # namespace -> its length-prefixed bytes (a handful per process)

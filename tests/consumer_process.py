@@ -88,7 +88,7 @@ async def nats(stream: str, durable: str, prefix: str, counter: str) -> None:
     while True:
         try:
             messages = await subscription.fetch(1, timeout=1)
-        except FetchTimeout:
+        except (FetchTimeout, TimeoutError):  # nats-py raises either under load
             continue
         for msg in messages:
             die_at("receipt")

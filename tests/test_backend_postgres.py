@@ -513,7 +513,9 @@ async def test_transaction_commits_the_effect_with_the_claim(
     with held_claim(pg, k(), claimed.token) as held:
         async with pg.transaction() as conn:
             await conn.execute(f"INSERT INTO {ledger} VALUES ($1, 100)", "key-1")
-            assert await state_of(raw, pg, "key-1") == b"p"  # nothing visible before COMMIT
+            assert (
+                await state_of(raw, pg, "key-1") == b"t"
+            )  # inside a transaction not committed yet (the mark before BEGIN)
             assert not held.effect
         assert held.effect  # committed: the request's failure can no longer release it
     assert await state_of(raw, pg, "key-1") == b"e"

@@ -26,6 +26,7 @@ import pytest
 from idem_asgi import IdempotencyMiddleware, RoutePolicy, current_idempotency
 from idem_asgi._types import Receive, Scope, Send
 from idem_asgi.backends import Backend, MemoryBackend
+from idem_asgi.claims.leases import grace
 from idem_asgi.client import IdempotentRetrySyncTransport, IdempotentRetryTransport, was_replayed
 from idem_asgi.errors import BackendUnavailable
 from idem_asgi.http.problems import DEFAULT_PROBLEM_BASE
@@ -328,6 +329,10 @@ async def test_outcome_unknown_409_is_never_retried() -> None:
         with pytest.raises(httpx.TimeoutException):
             await c.client.post("/hang", content=b"x", headers=headers)
     await asyncio.sleep(0.5)  # the lease, no longer renewed, expires
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=shop), base_url="http://shop.test") as plain:
+        seen = await plain.post("/hang", content=b"x", headers=headers)  # its holder might still renew
+    assert seen.status_code == 409 and seen.json()["type"] == "urn:idem-asgi:problem:request-in-progress"
+    await asyncio.sleep(grace(0.3))  # seen unchanged for its grace: the holder is gone, the outcome unknown
     async with InProcess(shop) as c:
         r = await c.client.post("/hang", content=b"x", headers=headers)
     assert r.status_code == 409

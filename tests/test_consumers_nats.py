@@ -125,7 +125,7 @@ class Consumer:
         while True:
             try:
                 batch = await sub.fetch(10, timeout=0.5)
-            except FetchTimeout:
+            except (FetchTimeout, TimeoutError):  # nats-py raises either under load
                 continue
             for msg in batch:
                 self.deliveries.append(((msg.headers or {}).get("Nats-Msg-Id", ""), msg.metadata.num_delivered))

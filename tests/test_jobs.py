@@ -12,8 +12,8 @@ import pytest
 
 from idem_asgi.backends import Backend
 from idem_asgi.claims import late_writes as _late_writes
+from idem_asgi.claims import runtime
 from idem_asgi.errors import BackendUnavailable, ConfigurationError
-from idem_asgi.jobs import decorator as jobs
 from idem_asgi.jobs.consumers import Settle, apply_once
 from idem_asgi.jobs.decorator import InProgress, KeyReused, OutcomeUnknown, claim, current_job, idempotent
 from idem_asgi.observe import Event, fan_out
@@ -199,7 +199,7 @@ class FailingComplete(Delegating):
 
 async def settled(store: Backend) -> None:
     """Wait until the jobs' background writes to `store` are done."""
-    shared = jobs._shared.get(store)
+    shared = runtime._by_store.get(store)
     late = shared.late if shared is not None else None
     tasks = set(late._tasks) if late is not None else set()
     if tasks:

@@ -18,7 +18,7 @@ from idem_asgi.jobs.decorator import InProgress, OutcomeUnknown, claim, current_
 from idem_asgi.observe import Counters
 from idem_asgi.ops.reconcile import reconcile
 from idem_asgi.records import Claimed, Existing, RecordKey, StaleRecord
-from tests.support.stores import Counting
+from tests.support.stores import Counting, Delegating
 
 
 def fresh() -> str:
@@ -140,7 +140,9 @@ async def test_a_duplicate_whose_short_wait_runs_out_is_retried_not_dead_lettere
         entered.set()
         await gate.wait()
 
-    first = asyncio.create_task(apply_once(backend, "m1", b"{}", run, namespace=namespace, ttl=60, lease=5, wait=0))
+    # The first delivery runs in another consumer (a store object of its own: another process's view).
+    elsewhere = Delegating(backend)
+    first = asyncio.create_task(apply_once(elsewhere, "m1", b"{}", run, namespace=namespace, ttl=60, lease=5, wait=0))
     await asyncio.wait_for(entered.wait(), 5)
     loop = asyncio.get_running_loop()
     began = loop.time()

@@ -34,7 +34,7 @@ from idem_asgi.jobs.decorator import (
 )
 from idem_asgi.records import COMPLETED, IN_PROGRESS, RecordKey
 from tests.support.servers import POSTGRES_DSN
-from tests.support.stores import make_backend
+from tests.support.stores import Delegating, make_backend
 
 
 def fresh() -> str:
@@ -467,9 +467,12 @@ async def test_a_consumer_duplicate_whose_wait_runs_out_is_handed_back_not_dead_
         await gate.wait()
 
     common: dict[str, Any] = {"namespace": namespace, "ttl": 60.0, "lease": 5.0}
-    first = asyncio.create_task(apply_once(backend, "m-1", b"{}", slow, wait=0.0, **common))
+    elsewhere = Delegating(backend)  # the first delivery runs in another consumer process
+    first = asyncio.create_task(apply_once(elsewhere, "m-1", b"{}", slow, wait=0.0, **common))
     await asyncio.wait_for(running.wait(), 10)
     assert await apply_once(backend, "m-1", b"{}", slow, wait=0.2, **common) is Settle.RETRY
+    # Running in this very process (a redelivery after its channel closed), it is held here instead.
+    assert await apply_once(elsewhere, "m-1", b"{}", slow, wait=0.2, **common) is Settle.HELD_HERE
     gate.set()
     assert await first is Settle.ACK
     assert await apply_once(backend, "m-1", b"{}", slow, wait=0.2, **common) is Settle.ACK

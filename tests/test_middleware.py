@@ -400,10 +400,10 @@ async def test_expired_lease_blocks_with_outcome_unknown(backend: Backend, names
 
 async def test_expired_lease_block_is_resolved_by_the_ttl(backend: Backend, namespace: str) -> None:
     app = Payments(hang_first=True)
-    mw = protect(app, backend, namespace, lease=LEASE, ttl=0.5)
-    await crash_first_request(mw, app)
+    mw = protect(app, backend, namespace, lease=LEASE, ttl=1.6)
+    await crash_first_request(mw, app)  # (lease, then its 1 s grace: 1.3 s)
     assert_problem(await post(mw), problems.OUTCOME_UNKNOWN)
-    await asyncio.sleep(0.3)  # past the 0.5 s TTL of the dead holder's record
+    await asyncio.sleep(0.4)  # past the 1.6 s TTL of the dead holder's record
 
     response = await post(mw)
 

@@ -12,6 +12,7 @@ import pytest
 from idem_asgi import IdempotencyMiddleware, RoutePolicy
 from idem_asgi._types import Receive, Scope, Send
 from idem_asgi.backends import MemoryBackend
+from idem_asgi.claims.leases import grace
 from idem_asgi.errors import BackendUnavailable
 from idem_asgi.http.fingerprint import RawBody
 from idem_asgi.observe import Counters, Event, LogObserver, fan_out, otel_observer, prometheus_observer
@@ -103,7 +104,10 @@ async def test_expired_lease_outcomes_are_observed() -> None:
     fingerprint = RawBody().begin(scope).digest()
     await backend.claim(rkey, fingerprint, lease=0.05, ttl=60)  # a holder that died
     await asyncio.sleep(0.1)
-    async with client(app_answering(), counts, backend=backend) as c:
+    async with client(app_answering(), counts, backend=backend, lease=0.05) as c:
+        seen = await c.post("/pay", headers={"Idempotency-Key": "dead"})  # first sighting: it may renew yet
+        assert seen.status_code == 409 and counts["conflict"] == 1 and counts["expired"] == 0
+        await asyncio.sleep(grace(0.05))
         r = await c.post("/pay", headers={"Idempotency-Key": "dead"})
     assert r.status_code == 409 and counts["expired"] == 1 and counts["outcome_unknown"] == 1
 
@@ -165,7 +169,9 @@ async def test_reclaimed_lease_is_observed_as_recovered() -> None:
     scope = {"method": "POST", "path": "/pay", "query_string": b"", "headers": []}
     await backend.claim(RecordKey.build("idem", None, "dead"), RawBody().begin(scope).digest(), lease=0.05, ttl=60)
     await asyncio.sleep(0.1)
-    async with client(app_answering(), counts, backend=backend, on_expired="reclaim") as c:
+    async with client(app_answering(), counts, backend=backend, on_expired="reclaim", lease=0.05) as c:
+        assert (await c.post("/pay", headers={"Idempotency-Key": "dead"})).status_code == 409  # first sighting
+        await asyncio.sleep(grace(0.05))
         r = await c.post("/pay", headers={"Idempotency-Key": "dead"})
     assert r.status_code == 201
     assert (counts["expired"], counts["recovered"], counts["claimed"], counts["completed"]) == (1, 1, 1, 1)

@@ -143,17 +143,23 @@ async def kill_mid_payment(shop: Shop, shared: aioredis.Redis, tmp: Path, keys: 
 
 
 async def retry(shop: Shop, tmp: Path, keys: list[str]) -> list[httpx.Response]:
-    """The clients' retries, to a fresh worker."""
+    """The clients' retries, to a fresh worker; each retried again after `Retry-After` while it is
+    answered `request-in-progress` (an expired lease is first seen so: its holder might renew)."""
     server = UvicornProcess("tests.ops_app:app", shop.env, tmp / "fresh.log")
     try:
         await server.wait_ready(timeout=30)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=30) as client:
-            return [
-                await client.post(
-                    "/payments", json={"amount": 1230}, headers={"Idempotency-Key": k, "x-user": "tenant-42"}
-                )
-                for k in keys
-            ]
+            answers = []
+            for k in keys:
+                for _ in range(10):
+                    answer = await client.post(
+                        "/payments", json={"amount": 1230}, headers={"Idempotency-Key": k, "x-user": "tenant-42"}
+                    )
+                    if answer.status_code != 409 or "request-in-progress" not in answer.text:
+                        break
+                    await asyncio.sleep(float(answer.headers.get("retry-after", "1")))
+                answers.append(answer)
+            return answers
     finally:
         await asyncio.to_thread(server.stop)
 

@@ -217,7 +217,7 @@ async def test_stale_owner_is_fenced_out_and_the_stored_answer_is_the_takers(sha
         final_op = "complete" if key in complete_keys else "release"
         assert ops.count(final_op) == 1 and ops[-1] == final_op, (key, ops)
         refused.update(ops)
-        assert f"lease of key {key!r} was lost while the app ran" in log, log[-2000:]
+        assert f"lease of key {key!r} was lost while its work ran" in log, log[-2000:]
 
         # A's client got A's own answer (the app's status and body), not the stored one.
         mine = next(a for a in a_answers if a.key == key)

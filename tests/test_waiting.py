@@ -52,9 +52,12 @@ class Gated(Payments):
         await send({"type": "http.response.body", "body": b"busy"})
 
 
-def protect(app: Any, store: Backend, namespace: str, wait: float = 5.0) -> IdempotencyMiddleware:
+def protect(app: Any, store: Backend, namespace: str, wait: float = 5.0, lease: float = 30) -> IdempotencyMiddleware:
     return IdempotencyMiddleware(
-        app, backend=store, routes=[RoutePolicy("/pay", single_tenant=True, wait=wait)], namespace=namespace
+        app,
+        backend=store,
+        routes=[RoutePolicy("/pay", single_tenant=True, wait=wait, lease=lease)],
+        namespace=namespace,
     )
 
 
@@ -146,7 +149,7 @@ async def test_repeats_held_on_a_holder_in_their_process_are_woken_once_by_its_a
     store = Counting(backend)
     app = Gated()
     mw = protect(app, store, namespace, wait=10)
-    waiters = mw.waiters = CountingWaiters()
+    waiters = CountingWaiters()
     mw.runtime = dataclasses.replace(mw.runtime, waiters=waiters)  # what each request is handed
     key = uuid.uuid4().hex
     first = asyncio.create_task(post(mw, key))
@@ -187,12 +190,13 @@ async def test_a_repeat_held_on_a_holder_that_died_elsewhere_learns_when_its_lea
     backend: Backend, namespace: str
 ) -> None:
     """A holder that dies tells nobody: a repeat held on it is woken when the lease it saw ends,
-    and answers `outcome-unknown` then, not a 409 once its whole `wait` is over."""
+    and answers `outcome-unknown` once that lease stayed over for its grace (1 s: a live holder
+    would have renewed by then), not a 409 once its whole `wait` is over."""
     app = Gated()
     holder = IdempotencyMiddleware(
         app, backend=backend, routes=[RoutePolicy("/pay", single_tenant=True, lease=1.0)], namespace=namespace
     )
-    other = protect(Payments(), backend, namespace, wait=8)
+    other = protect(Payments(), backend, namespace, wait=8, lease=1.0)
     key = uuid.uuid4().hex
     first = asyncio.create_task(post(holder, key))
     await asyncio.wait_for(app.entered.wait(), 5)

@@ -3,8 +3,10 @@ the raw-key record `idem-asgi migrate` follows (`KeyForms`)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
+from collections.abc import Awaitable, Callable
 from types import ModuleType, TracebackType
 from typing import Any, ClassVar, TypeVar
 
@@ -37,10 +39,24 @@ def new_token() -> int:
 
 
 class ClosingMixin:
-    """`async with backend:` closes it on exit (`aclose()` closes only what the backend created)."""
+    """`async with backend:` closes it on exit (`aclose()` closes only what the backend created), and
+    what was registered with `on_close` runs first (the claim machinery drains its pending writes)."""
 
     async def aclose(self) -> None:  # pragma: no cover - each store defines its own
         raise NotImplementedError
+
+    def on_close(self, hook: Callable[[], Awaitable[None]]) -> None:
+        """Await `hook()` when the store closes, before it closes anything."""
+        hooks: list[Callable[[], Awaitable[None]]] = self.__dict__.setdefault("_close_hooks", [])
+        hooks.append(hook)
+
+    async def _before_close(self) -> None:
+        """Run the `on_close` hooks (each store's `aclose` calls this first); one that fails is logged."""
+        for hook in self.__dict__.get("_close_hooks", ()):
+            try:
+                await hook()
+            except Exception:
+                logging.getLogger("idem_asgi").exception("idem_asgi: a close hook of the store failed")
 
     async def __aenter__(self: Self) -> Self:
         return self

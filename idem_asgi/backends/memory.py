@@ -337,4 +337,5 @@ class MemoryBackend(ClosingMixin):
             await asyncio.sleep(0)
 
     async def aclose(self) -> None:
-        """Nothing to close; kept for the protocol."""
+        """Nothing to close but the writes still pending in this process (`on_close`)."""
+        await self._before_close()

@@ -19,6 +19,8 @@ class ClaimHandle(Protocol):
     """The claim a protected request holds while its app runs (read by `PostgresBackend.transaction`)."""
 
     token: int
+    effect: bool
+    """True once an effect was marked (`mark_effect()`, or a committed `transaction()`)."""
 
     @property
     def backend(self) -> Backend:

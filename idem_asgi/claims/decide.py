@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 
 from ..records import COMPLETED, Claimed, ClaimResult
+from .surfaces import legacy_match
 
 
 class Action(enum.Enum):
@@ -35,7 +36,7 @@ def decide(result: ClaimResult, fingerprint: bytes) -> Action:
     if isinstance(result, Claimed):
         return RUN
     record = result.record
-    if record.fingerprint != fingerprint:
+    if record.fingerprint != fingerprint and not legacy_match(record.fingerprint, fingerprint):
         return MISMATCH
     if record.state == COMPLETED:
         if record.response is not None and record.response.replayable:

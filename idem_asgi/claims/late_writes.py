@@ -16,6 +16,11 @@ claim's token (a takeover refuses it), and a write that landed while its reply w
 recognised by reading the record back. Pending writes are held in memory, at most
 `MAX_PENDING_BYTES` of them (an answer counts its bytes, every write `OVERHEAD` more); past that,
 or past the window, the key is left to the lease and recovery, as without this.
+
+A claim whose outcome waits here still counts as held by this process (`holds`): its repeats are
+answered in progress, never recovered. A job's caller waits for its completion (`LateWrites.task`),
+and closing the store (`aclose()`) waits for every pending write, up to its window (`drain`), so a
+short-lived process does not exit with an answer unwritten.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ MAX_PENDING_BYTES: Final = 64 << 20
 OVERHEAD: Final = 4096
 """Bytes each pending write counts for itself (its task, key and token), so releases are bounded too."""
 _FIRST_DELAY: Final = 0.05
-_MAX_DELAY: Final = 2.0
+_MAX_DELAY: Final = 1.0
 
 Emit = Callable[[EventName], None]
 
@@ -82,11 +87,26 @@ class LateWrites:
     """The writes being retried for one surface (a middleware, one store's jobs); one task each,
     bounded in bytes. A pending write holds its store until it lands or gives up."""
 
-    __slots__ = ("_pending_bytes", "_tasks")
+    __slots__ = ("_by_claim", "_pending_bytes", "_tasks")
 
     def __init__(self) -> None:
         self._pending_bytes = 0
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[bool]] = set()
+        self._by_claim: dict[tuple[str, int], asyncio.Task[bool]] = {}
+
+    def holds(self, digest: str, token: int) -> bool:
+        """Whether a write ending claim `token` on record `digest` is still being retried."""
+        return (digest, token) in self._by_claim
+
+    def task(self, digest: str, token: int) -> asyncio.Task[bool] | None:
+        """The task retrying the write that ends claim `token` on `digest`, if one runs (its result:
+        whether the write landed)."""
+        return self._by_claim.get((digest, token))
+
+    async def drain(self) -> None:
+        """Wait for every pending write to land or give up (each within its window)."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
 
     @property
     def pending(self) -> int:
@@ -115,15 +135,19 @@ class LateWrites:
             return False
         self._pending_bytes += size
         task = asyncio.get_running_loop().create_task(self._run(kind, write, emit))
+        claim = (write.key.digest, write.token)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(lambda _: self._free(size))
+        self._by_claim[claim] = task
+        task.add_done_callback(lambda done: self._free(done, claim, size))
         return True
 
-    def _free(self, size: int) -> None:
+    def _free(self, task: asyncio.Task[bool], claim: tuple[str, int], size: int) -> None:
+        self._tasks.discard(task)
+        if self._by_claim.get(claim) is task:
+            del self._by_claim[claim]
         self._pending_bytes -= size
 
-    async def _run(self, kind: _Kind, write: _Write, emit: Emit) -> None:
+    async def _run(self, kind: _Kind, write: _Write, emit: Emit) -> bool:
         backend, key, token = write.backend, write.key, write.token
         loop = asyncio.get_running_loop()
         deadline = loop.time() + WINDOW
@@ -144,11 +168,11 @@ class LateWrites:
                     WINDOW,
                     exc,
                 )
-                return
+                return False
             if done:
                 logger.info("idem_asgi: key %r: %s succeeded on a later attempt", key.key, kind.doing)
                 emit(kind.done)
             else:
                 logger.warning("idem_asgi: key %r was no longer held by this request; %s", key.key, kind.undone)
                 emit("lease_lost")
-            return
+            return bool(done)

@@ -11,9 +11,11 @@ written, under the new token.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Literal, TypeAlias
 
 from ..records import IN_PROGRESS, Claimed, ClaimResult, Record, RecordKey, StoredResponse
+from .surfaces import check_answer
 
 if TYPE_CHECKING:
     from ..backends import Backend
@@ -21,6 +23,11 @@ if TYPE_CHECKING:
 Outcome: TypeAlias = StoredResponse | Literal["release", "run"]
 """What happened: this answer; `"release"` (never happened: free the key); `"run"` (never happened:
 take the claim over and run it here)."""
+
+RecoverHook: TypeAlias = Callable[[RecordKey, Record], Awaitable["StoredResponse | Literal['run'] | None"]]
+"""A surface's `recover=` hook (a route, a job, a consumer): asked about an expired claim before anything
+runs again. Its answer: the `StoredResponse` to store (an HTTP answer for a request, `stored_result(value)`
+for a job or a message), `"run"` (it never happened: run it now), or None (unknown)."""
 
 Verdict: TypeAlias = Literal["completed", "released", "taken", "gone", "changed", "refused", "committed"]
 """`completed`/`released`/`taken`: done; `gone`: no record any more; `changed`: another holder or
@@ -32,7 +39,10 @@ run again."""
 async def resolve(
     backend: Backend, key: RecordKey, record: Record, outcome: Outcome, *, lease: float, ttl: float
 ) -> tuple[Verdict, ClaimResult | None]:
-    """Write `outcome` for the expired claim `record` (see the module docstring)."""
+    """Write `outcome` for the expired claim `record` (see the module docstring); an answer of the
+    wrong kind or shape for the record's surface raises `WrongAnswer` before anything is written."""
+    if isinstance(outcome, StoredResponse):
+        check_answer(key, record, outcome)
     if record.effect_committed:
         if not isinstance(outcome, StoredResponse):
             return "committed", None

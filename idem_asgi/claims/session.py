@@ -30,7 +30,7 @@ from ..backends._protocol import Watchable
 from ..errors import BackendMisconfigured
 from ..observe import Event, EventName, Observer
 from ..records import ClaimResult, Existing, Record, RecordKey, StoredResponse
-from .decide import Action, decide
+from .decide import EXPIRED, IN_PROGRESS, Action, decide
 from .recovery import Outcome, resolve
 
 if TYPE_CHECKING:
@@ -88,6 +88,10 @@ class Runtime:
         # What the store can do beyond `Backend`, asked once here, never per request.
         object.__setattr__(self, "watcher", self.store if isinstance(self.store, Watchable) else None)
 
+    def holds(self, digest: str, token: int) -> bool:
+        """Whether this process holds claim `token` on record `digest` (see `Machinery.holds`)."""
+        return self.leases.held(digest, token) or self.late.holds(digest, token)
+
 
 class ClaimSession:
     """The state and steps of one claim (see the module docstring); also its `ClaimHandle`."""
@@ -142,7 +146,7 @@ class ClaimSession:
         IN_PROGRESS after a recovery: somebody else is resolving it."""
         waited = recovered = False
         while True:
-            action = decide(result, self.fingerprint)
+            action = self.judged(result)
             if action is Action.IN_PROGRESS and self.terms.wait and not waited:
                 waited = True
                 handed = await self.wait(result)
@@ -150,26 +154,44 @@ class ClaimSession:
                     self.emit("replayed")
                     return (Action.REPLAY if handed.replayable else Action.NOT_STORED), handed
                 result = handed
-            elif action is Action.EXPIRED and recover is not None and not recovered:
+            elif action is Action.EXPIRED and not recovered:
                 recovered = True
                 self.emit("expired")
                 assert isinstance(result, Existing)
-                outcome = await self._recovered(result.record, await recover(result.record))
+                record = result.record
+                told = None if recover is None else await recover(record)
+                if told is None and record.uncommitted:
+                    told = "run"  # its holder died inside a transaction() that never committed: nothing happened
+                outcome = await self._recovered(record, told)
                 if outcome is None:
                     return Action.EXPIRED, result
                 if isinstance(outcome, StoredResponse):
                     return Action.REPLAY, outcome
                 result = outcome
-            elif action is Action.EXPIRED:
-                if recovered:  # somebody else is resolving it
-                    self.emit("conflict")
-                    return Action.IN_PROGRESS, result
-                self.emit("expired")  # nothing to recover it with: its outcome is unknown
-                return Action.EXPIRED, result
+            elif action is Action.EXPIRED:  # expired again after a recovery: somebody else is resolving it
+                self.emit("conflict")
+                return Action.IN_PROGRESS, result
             else:
                 if action is not Action.RUN or self.rt.observer is not None:
                     self.emit(_EVENT_OF[action])
                 return action, result
+
+    def judged(self, result: ClaimResult) -> Action:
+        """`decide`, under the lease rule (`claims.leases`): an expired lease is in progress while
+        this process holds its claim (its work runs, or its answer waits to be written), and until
+        it has been seen expired and unchanged for its grace; one its holder ended itself
+        (`holder_failed`) is over at once."""
+        action = decide(result, self.fingerprint)
+        if action is not EXPIRED:
+            return action
+        assert isinstance(result, Existing) and self.rkey is not None
+        record, digest = result.record, self.rkey.digest
+        if record.holder_failed:  # its holder ended the lease itself: gone
+            return action
+        if self.rt.holds(digest, record.token):
+            return IN_PROGRESS
+        over = self.rt.leases.over(digest, record.token, record.lease_until, result.now, self.terms.lease)
+        return action if over else IN_PROGRESS
 
     async def _recovered(self, record: Record, outcome: Outcome | None) -> ClaimResult | StoredResponse | None:
         """Write a recovered `outcome` (None: unknown, left alone); the answer, or the claim to go on with."""
@@ -199,7 +221,7 @@ class ClaimSession:
         """
         delay = 0.01
         with anyio.move_on_after(self.terms.wait):
-            while isinstance(result, Existing) and decide(result, self.fingerprint) is Action.IN_PROGRESS:
+            while isinstance(result, Existing) and self.judged(result) is IN_PROGRESS:
                 outcome = await self._held(result, delay)
                 if isinstance(outcome, StoredResponse):
                     return outcome
@@ -223,8 +245,8 @@ class ClaimSession:
             if self.rt.leases.held(rkey.digest, record.token):
                 return await future
             told = await self._watch(record.token)
-            if told is False:
-                return None  # it changed already: read it again
+            # Told: until the lease seen ends. Not told (no notices, or "it changed already", which a
+            # store may answer again and again while the claim still reads in progress): the poll delay.
             with anyio.move_on_after(max(record.lease_until - result.now, delay) if told else delay):
                 return await future
             return None

@@ -17,7 +17,7 @@ from .._logging import once
 from .._types import ASGIApp, Message, Receive, Scope, Send
 from ..backends import Backend, Checkable, Watchable
 from ..claims.late_writes import LateWrites
-from ..claims.leases import Leases
+from ..claims.runtime import machinery_for
 from ..claims.waiting import Waiters
 from ..errors import BackendMisconfigured, ConfigurationError
 from ..observe import Observer
@@ -101,9 +101,6 @@ class IdempotencyMiddleware:
         self.namespace = namespace
         self.table = RouteTable(routes, header=header, scope=scope, recover=recover)
         self.replay_header = (replay_header.lower().encode("latin-1"), b"true")
-        self.leases = Leases(min((r.lease for r in self.routes), default=30.0) / 3)
-        self.late = LateWrites()  # ends of claims the store did not take, retried
-        self.waiters = Waiters()  # repeats held on `wait=` routes, woken by their holder in this process
         self.runtime = self._runtime()
         self._check_scoping(strict)
         self._check_compression()
@@ -144,12 +141,15 @@ class IdempotencyMiddleware:
             inner = getattr(inner, "app", None)
 
     def _runtime(self) -> HttpRuntime:
-        """What each protected request is handed (rebuilt when the store or the app is swapped)."""
+        """What each protected request is handed (rebuilt when the store or the app is swapped): the
+        store's one machinery in this process (lease renewer, late writes, held repeats), shared
+        with the jobs and consumers that claim in the same store."""
+        machinery = machinery_for(self.backend)
         return HttpRuntime(
             self.backend,
-            self.leases,
-            self.late,
-            self.waiters,
+            machinery.leases,
+            machinery.late,
+            machinery.waiters,
             self._observer,
             self.app,
             self.namespace,
@@ -158,6 +158,16 @@ class IdempotencyMiddleware:
             self.replay_header,
             self.problem_base,
         )
+
+    @property
+    def late(self) -> LateWrites:
+        """The store's writes being retried (ends of claims the store did not take at first)."""
+        return self.runtime.late
+
+    @property
+    def waiters(self) -> Waiters:
+        """Repeats held on `wait=` routes, woken by their holder in this process."""
+        return self.runtime.waiters
 
     @property
     def routes(self) -> tuple[Route, ...]:

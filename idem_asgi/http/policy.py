@@ -7,21 +7,20 @@ routing and cannot see templates.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Container, Iterable
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Literal
 
+from ..claims.recovery import RecoverHook as RecoverHook  # re-exported: the route's `recover=` type
 from ..errors import ConfigurationError
 from .fingerprint import FingerprintRule
 
 if TYPE_CHECKING:
-    from ..records import Record, RecordKey, StoredResponse
     from .derived import KeySource
     from .keys import ScopeFunc
 
 Duration = int | float | timedelta
-RecoverHook = Callable[["RecordKey", "Record"], Awaitable["StoredResponse | Literal['run'] | None"]]
 
 DEFAULT_EXCLUDED_HEADERS: frozenset[str] = frozenset(
     {

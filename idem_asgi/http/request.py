@@ -26,7 +26,7 @@ from .._types import ASGIApp, Message, Receive, Scope, Send
 from ..claims.context import STATE_KEY, IdempotencyInfo, enter, leave
 from ..claims.decide import REPLAY, Action, decide
 from ..claims.session import ClaimSession, Runtime
-from ..errors import BackendMisconfigured, StoreFull
+from ..errors import BackendMisconfigured, StoreFull, WrongAnswer
 from ..records import Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
 from ..transform import AnswerTransform, seal, unseal
 from . import problems
@@ -216,6 +216,9 @@ class Protected(ClaimSession):
             action, outcome = await self.decided(result, self._recover)
         except Refused:
             raise
+        except WrongAnswer as exc:  # the recover hook answered something this request cannot replay
+            logger.error("idem_asgi: recover hook for key %r: %s", self.key, exc)
+            raise Refused(problems.OUTCOME_UNKNOWN, event="outcome_unknown") from None
         except Exception as exc:  # a store call of the recovery failed
             self.store_failed("takeover failed", exc)
             raise self._store_refusal(exc) from None

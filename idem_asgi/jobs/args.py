@@ -4,11 +4,13 @@ A retry must give the same bytes whatever order its mappings were built in (a di
 another order, `**kwargs` passed in another order), and two different calls must never give one
 key. So:
 
-- **Fingerprint**: msgpack of the arguments by parameter, in the signature's order; every mapping
-  inside (`**kwargs` too) with its entries sorted by their encoded key, every set sorted. Types
-  count as msgpack keeps them: `1`, `1.0` and `True` are three different arguments (a retry that
-  passes `1.0` for `1` gets `KeyReused`, never a second run); a tuple and a list of the same
-  items are the same.
+- **Fingerprint**: msgpack of the arguments by parameter, in the signature's order, leaving out
+  every argument equal to its parameter's default (of the same type); every mapping inside
+  (`**kwargs` too) with its entries sorted by their encoded key, every set sorted. So a deploy that
+  adds a parameter with a default, a caller that passes keywords in another order, or one that
+  passes a default explicitly, makes the same call. Types count as msgpack keeps them: `1`, `1.0` and `True` are
+  three different arguments (a retry that passes `1.0` for `1` gets `KeyReused`, never a second
+  run); a tuple and a list of the same items are the same.
 - **Key** (`args=["order_id", ...]`): `name=value` joined by `,`, each value its JSON text, and a
   string bare only when it cannot be read as anything else (no `,`, `"` or `\\`, and not itself a
   JSON number, `true`, `null`...): `order_id=o1`, `order_id=1` for the int and `order_id="1"` for
@@ -20,6 +22,7 @@ key. So:
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -33,14 +36,39 @@ _ordered = msgspec.msgpack.Encoder(order="deterministic").encode  # also sorts t
 _json = msgspec.json.Encoder(order="deterministic").encode
 
 
-def fingerprint(arguments: Mapping[str, Any]) -> bytes:
-    """SHA-256 of the arguments' canonical msgpack (see the module docstring)."""
+def fingerprint(arguments: Mapping[str, Any], signature: inspect.Signature | None = None) -> bytes:
+    """SHA-256 of the arguments' canonical msgpack (see the module docstring); with the function's
+    `signature`, arguments equal to their parameter's default are left out."""
+    params = {} if signature is None else signature.parameters
     try:
-        return hashlib.sha256(_plain({name: _canonical(v) for name, v in arguments.items()})).digest()
+        significant = {
+            name: _canonical(value)
+            for name, value in arguments.items()
+            if not (name in params and _is_default(params[name], value))
+        }
+        return hashlib.sha256(_plain(significant)).digest()
     except (TypeError, OverflowError, msgspec.EncodeError) as exc:
         raise ConfigurationError(
             f"idempotent: the arguments cannot be fingerprinted ({exc}); pass fingerprint=[names of encodable ones]"
         ) from None
+
+
+def _is_default(param: inspect.Parameter, value: Any) -> bool:
+    """Whether `value` is what the call would have had without it: the parameter's default (the same
+    type and equal), or nothing for `*args` / `**kwargs`."""
+    if param.kind is inspect.Parameter.VAR_POSITIONAL:
+        return value == ()  # type: ignore[no-any-return]
+    if param.kind is inspect.Parameter.VAR_KEYWORD:
+        return value == {}  # type: ignore[no-any-return]
+    default = param.default
+    if default is inspect.Parameter.empty:
+        return False
+    if value is default:
+        return True
+    try:
+        return type(value) is type(default) and bool(value == default)
+    except Exception:  # an __eq__ that refuses (arrays): count it as given
+        return False
 
 
 def _canonical(value: Any) -> Any:

@@ -58,18 +58,31 @@ def checked_function(func: Callable[..., Any], names: tuple[str, ...]) -> inspec
 
 def checked_returns(func: Callable[..., Any]) -> Any:
     """`func`'s return annotation (Any without one), once msgspec can encode and decode it."""
+    target = _target(func)
+    annotation = inspect.get_annotations(target).get("return", Any)
     try:
-        returns = get_type_hints(_target(func)).get("return", Any)
+        # Only the return annotation is resolved: a parameter's type imported under TYPE_CHECKING is
+        # not needed to store the result, and must not fail the decoration.
+        returns = get_type_hints(_Returns(annotation), getattr(target, "__globals__", None)).get("return", Any)
         msgspec.msgpack.Decoder(returns)
         custom = next(_custom_types(mi.type_info(returns), set()), None)
     except (NameError, TypeError) as exc:
-        raise ConfigurationError(f"idempotent: the return annotation of {_name(func)} is not usable: {exc}") from None
+        raise ConfigurationError(
+            f"idempotent: the return annotation of {_name(func)} ({annotation!r}) is not usable: {exc}"
+        ) from None
     if custom is not None:
         raise ConfigurationError(
             f"idempotent: {_name(func)} returns {custom.__qualname__}, which msgspec cannot store; "
             "return a msgspec.Struct, a dataclass or builtin types"
         )
     return returns
+
+
+class _Returns:
+    """An object with only a return annotation, for `get_type_hints` to resolve it alone."""
+
+    def __init__(self, annotation: Any) -> None:
+        self.__annotations__ = {"return": annotation}
 
 
 def _custom_types(t: mi.Type, seen: set[int]) -> Iterator[type]:

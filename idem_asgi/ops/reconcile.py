@@ -37,7 +37,7 @@ import msgspec
 from .._logging import redact
 from ..backends import Backend, Maintenance
 from ..claims.recovery import Verdict, resolve
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, WrongAnswer
 from ..records import Record, RecordKey, StaleRecord, StoredResponse
 from ..transform import AnswerTransform, seal
 
@@ -259,6 +259,9 @@ async def _resolve_one(run: _Run, s: StaleRecord) -> tuple[Action, str]:
         if isinstance(outcome, StoredResponse):
             outcome = seal(run.transform, outcome)  # marked, so the app opens it with its own transform
         return await _apply(backend, s, outcome, ttl=keep or lease, lease=lease)
+    except WrongAnswer as exc:  # an HTTP answer for a job's record, a result its job cannot return
+        logger.warning("idem_asgi: reconcile refused the resolver's answer for key %r: %s", s.key.key, exc)
+        return "error", f"answer refused: {exc}"
     except Exception as exc:
         logger.warning("idem_asgi: reconcile could not write the outcome for key %r: %s", s.key.key, exc)
         return "error", f"store failed: {type(exc).__name__}: {redact(str(exc))}"

@@ -2,7 +2,8 @@
 
 `Payments` counts its executions (each answers with its own charge number); `protect` puts the
 middleware in front of it; `post` sends one request through httpx's ASGI transport; `rk` is the
-record key the middleware uses; `crash_first_request` leaves a stuck claim (holder killed, lease over).
+record key the middleware uses; `crash_first_request` leaves a stuck claim (holder killed, lease
+over, seen so for its grace).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import httpx
 from idem_asgi import IdempotencyMiddleware, RoutePolicy
 from idem_asgi._types import Receive, Scope, Send
 from idem_asgi.backends import Backend
+from idem_asgi.claims.leases import grace
 from idem_asgi.records import RecordKey
 from tests.support.asgi import read_body
 
@@ -109,10 +111,17 @@ def rk(namespace: str, key: str = KEY, scope: str | None = None) -> RecordKey:
 
 
 async def crash_first_request(mw: IdempotencyMiddleware, app: Payments) -> None:
-    """Start a request whose handler hangs, then kill it mid-operation and let its lease run out."""
+    """Start a request whose handler hangs, then kill it mid-operation and let its lease run out.
+
+    A repeat then sees the expired lease once (answered `request-in-progress`: its holder might be
+    alive, about to renew) and, `grace` later, still unchanged: from then on the holder counts as
+    gone, which is where the tests of what follows a crash begin."""
     task = asyncio.ensure_future(post(mw))
     await asyncio.wait_for(app.entered.wait(), 5)
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
     await asyncio.sleep(LEASE + 0.1)
+    first = await post(mw)
+    assert first.status_code == 409 and "request-in-progress" in first.text, first.text
+    await asyncio.sleep(grace(LEASE))

@@ -38,12 +38,12 @@ async def restart_when(
 
 async def late_writes_landed(stores: Sequence[Any], within: float = 35.0) -> None:
     """Wait until no completion write the outage failed is still being retried in the background
-    (`idem_asgi.jobs.decorator` retries them for up to 30 s): closed before, a store's client would reopen
+    (`idem_asgi.claims.late_writes` retries them for up to 30 s): closed before, a store's client would reopen
     a connection for the retry and leak it."""
-    from idem_asgi.jobs import decorator as jobs
+    from idem_asgi.claims import runtime
 
     def pending() -> int:
-        return sum(shared.late.pending for s in stores if (shared := jobs._shared.get(s)) is not None)
+        return sum(shared.late.pending for s in stores if (shared := runtime._by_store.get(s)) is not None)
 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within

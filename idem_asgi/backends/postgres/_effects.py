@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
+import anyio
+
 from ...claims.context import ClaimHandle, current_idempotency
 from ...errors import ClaimLost, ConfigurationError
 from ._lean import LeanPool, broken_by
@@ -60,6 +62,14 @@ async def effect_transaction(store: PostgresBackend, connection: Any = None) -> 
         return
     claim = live_claim(store)
     async with _connection(store, connection) as conn:
+        # Nothing happened before this block: mark the claim 't' first (its own statement, outside
+        # the transaction), so a holder that dies before COMMIT leaves a claim recovery may run again.
+        opened = (
+            claim is not None
+            and not claim.effect
+            and not conn.is_in_transaction()  # (inside the caller's own transaction it would commit with it)
+            and await _mark(store, conn, claim, "t")
+        )
         reset = _open_connection.set(conn)
         try:
             async with conn.transaction():
@@ -68,6 +78,12 @@ async def effect_transaction(store: PostgresBackend, connection: Any = None) -> 
                     await _mark_effect(store, conn, claim)
             if claim is not None:
                 claim.mark_effect()  # committed: a failure from now on must not release the claim
+        except BaseException:
+            if opened:  # rolled back: what the handler does next is outside it ('p' again)
+                assert claim is not None
+                with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                    await _mark(store, conn, claim, "p")
+            raise
         finally:
             _open_connection.reset(reset)
 
@@ -90,6 +106,16 @@ async def _connection(store: PostgresBackend, connection: Any) -> AsyncIterator[
             await pool.release(conn)
         raise
     await pool.release(conn)
+
+
+async def _mark(store: PostgresBackend, conn: Any, claim: ClaimHandle, state: str) -> bool:
+    """Mark the claim inside an open transaction (`t`) or not (`p`), fenced by its token; whether it
+    changed (a claim already marked with an effect is left as it is)."""
+    k = claim.rkey
+    assert k is not None
+    statement = store.sql.opening if state == "t" else store.sql.closing
+    status = await conn.execute(statement, *store._id(k), claim.token, timeout=store.timeout)
+    return bool(status == "UPDATE 1")
 
 
 async def _mark_effect(store: PostgresBackend, conn: Any, claim: ClaimHandle) -> None:

@@ -35,6 +35,7 @@ def as_claimed(record: Record, token: int, fingerprint: bytes) -> bool:
         and record.state == IN_PROGRESS
         and not record.holder_failed
         and not record.effect_committed
+        and not record.uncommitted
     )
 
 
@@ -52,7 +53,8 @@ def record_of(row: Any) -> Record:
         row[5],
         response,
         row[11],
-        effect_committed=state == b"e",
-        holder_failed=state == b"u",
+        effect_committed=state in (b"e", b"f"),
+        holder_failed=state in (b"u", b"f"),
         ttl=row[13],
+        uncommitted=state == b"t",
     )

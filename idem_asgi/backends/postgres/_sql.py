@@ -14,9 +14,11 @@ CREATE TABLE IF NOT EXISTS {table} (
     namespace   text        NOT NULL,
     scope       text        NOT NULL,
     key         text        NOT NULL,
-    state       "char"      NOT NULL,            -- 'p' in progress, 'e' in progress with its effect committed
+    state       "char"      NOT NULL,            -- 'p' in progress, 't' in progress inside a transaction() not
+                                                 -- committed yet, 'e' in progress with its effect committed
                                                  -- (see PostgresBackend.transaction), 'u' in progress whose
-                                                 -- holder failed mid-answer (mark_failed), 'c' completed
+                                                 -- holder failed mid-answer (mark_failed), 'f' both (its effect
+                                                 -- committed, then its holder failed), 'c' completed
     fingerprint bytea       NOT NULL,
     token       bigint      NOT NULL,            -- fencing token of the current holder
     lease_until timestamptz NOT NULL,
@@ -74,6 +76,7 @@ class Statements:
     __slots__ = (
         "checkpoint",
         "claim",
+        "closing",
         "complete",
         "completed_by",
         "effect",
@@ -81,6 +84,7 @@ class Statements:
         "fail",
         "get",
         "holder",
+        "opening",
         "purge",
         "release",
         "stale",
@@ -132,7 +136,7 @@ FROM cur WHERE NOT free
 """
         # A takeover: the same update, of a held record whose lease of `$8` ended, never an insert. 'gone'
         # when no live record exists (released, or past its TTL): recovery must not resurrect it.
-        held_free = "(r.state IN ('p', 'u') AND r.token = $8 AND r.lease_until <= now() AND r.expires_at > now())"
+        held_free = "(r.state IN ('p', 't', 'u') AND r.token = $8 AND r.lease_until <= now() AND r.expires_at > now())"
         self.takeover = f"""
 WITH cur AS (
     SELECT {_COLUMNS}, {held_free} AS free, r.expires_at > now() AS live
@@ -154,7 +158,7 @@ SELECT 'gone', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
 WHERE NOT EXISTS (SELECT 1 FROM cur WHERE live)
 """
         held = "namespace = $1 AND scope = $2 AND key = $3 AND token = $4"
-        where = f"{held} AND state IN ('p', 'e')"
+        where = f"{held} AND state IN ('p', 't', 'e', 'f')"
         # The statements that end a claim answer how many rows they changed, and NOTIFY the record's
         # digest (their last two parameters: channel, digest) when a repeat elsewhere watches it;
         # only then, as a NOTIFY serialises commits.
@@ -166,7 +170,7 @@ WHERE {where}""",
             12,
         )
         # Never release a record whose effect committed ('e'): a retry must not run it again.
-        self.release = _telling(f"DELETE FROM {t} WHERE {held} AND state = 'p'", 5)
+        self.release = _telling(f"DELETE FROM {t} WHERE {held} AND state IN ('p', 't')", 5)
         # A repeat held in another process asks to be told when the claim `$4` ends: true (told),
         # false (it ended already: read it again), NULL (its row is locked by a statement of the
         # holder, e.g. an open transaction(): poll this time, never wait on the lock).
@@ -179,7 +183,11 @@ WITH w AS (
 SELECT CASE WHEN EXISTS (SELECT 1 FROM w) THEN true
             WHEN EXISTS (SELECT 1 FROM {t} WHERE {where}) THEN NULL ELSE false END"""
         # Idempotent: a second transaction() block of the same request marks it again, harmlessly.
-        self.effect = f"UPDATE {t} SET state = 'e' WHERE {held} AND state IN ('p', 'e')"
+        self.effect = f"UPDATE {t} SET state = 'e' WHERE {held} AND state IN ('p', 't', 'e')"
+        # A transaction() opens with no effect before it ('t': if its holder dies before COMMIT, nothing
+        # happened), and closes without committing ('p' again: what follows is outside it).
+        self.opening = f"UPDATE {t} SET state = 't' WHERE {held} AND state = 'p'"
+        self.closing = f"UPDATE {t} SET state = 'p' WHERE {held} AND state = 't'"
         self.holder = f"SELECT state FROM {t} WHERE {held}"
         self.checkpoint = f"UPDATE {t} SET checkpoint = $5 WHERE {where}"
         self.completed_by = f"""
@@ -188,10 +196,10 @@ SELECT true FROM {t} WHERE namespace = $1 AND scope = $2 AND key = $3 AND token 
         self.extend = f"""
 UPDATE {t} SET lease_until = greatest(lease_until, now() + $5::float8 * interval '1 second'),
     expires_at = greatest(expires_at, now() + $5::float8 * interval '1 second') WHERE {where}"""
-        # The holder failed mid-answer: lease over now; 'u' (never released), or 'e' kept as it is.
+        # The holder failed mid-answer: lease over now; 'u' (never released), or 'f' after an effect committed.
         self.fail = _telling(
             f"""
-UPDATE {t} SET lease_until = least(lease_until, now()), state = CASE WHEN state = 'e' THEN 'e' ELSE 'u' END
+UPDATE {t} SET lease_until = least(lease_until, now()), state = CASE WHEN state IN ('e', 'f') THEN 'f' ELSE 'u' END
 WHERE {where}""",
             5,
         )

@@ -328,7 +328,7 @@ class PostgresBackend(Watching, ClosingMixin):
             StaleRecord(
                 row_key(row[15], row[16], row[17], self.store_keys, self.key_seal, row[18]),
                 record_of(row),
-                row[1] == b"e",
+                row[1] in (b"e", b"f"),
             )
             for row in rows
         ]
@@ -372,7 +372,7 @@ class PostgresBackend(Watching, ClosingMixin):
         """
         pool = await self._get_pool()
         state = await self._runner.run(pool, "fetchval", self.sql.holder, *self._id(key), record.token)
-        return "run" if state == b"p" else None
+        return "run" if state in (b"p", b"t") else None
 
     # -- claims whose reply was lost -------------------------------------------------------
 
@@ -391,7 +391,9 @@ class PostgresBackend(Watching, ClosingMixin):
         return False
 
     async def aclose(self) -> None:
-        """Stop the sweep and close the pool if `from_dsn` made it (after connections still being handed back)."""
+        """Stop the sweep and close the pool if `from_dsn` made it (after connections still being handed
+        back, and the writes still pending in this process: `on_close`)."""
+        await self._before_close()
         self._closed = self._owned  # a pool of the app's own stays usable; one we made is gone
         await self._orphans.aclose()
         if self._notices is not None:

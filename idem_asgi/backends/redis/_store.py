@@ -404,7 +404,9 @@ class RedisBackend(Tools, ClosingMixin):
     async def aclose(self) -> None:
         """Stop the background sweep and close the client if `from_url` made it. Every call after
         this fails with `BackendUnavailable` at once: nothing reconnects a closed backend (a late
-        write still being retried would otherwise open connections nobody closes)."""
+        write still being retried would otherwise open connections nobody closes), once the writes
+        still pending in this process have landed or given up (`on_close`)."""
+        await self._before_close()
         self._closed = True
         await self._orphans.aclose()
         if self._notices is not None:
