@@ -75,7 +75,7 @@ async def one(kind: str, n: int) -> dict[str, Any]:
                 MemoryBackend() if kind == "memory" else RedisBackend.from_url(REDIS_URL, prefix=f"idem-bench:{run}:")
             )
             store = Counting(inner)
-            on_message = nats_handler(store, _nothing, header="Payment-Id")
+            on_message = nats_handler(store, _nothing, namespace="bench", header="Payment-Id")
         row: dict[str, Any] = {"store": kind, "messages": n}
         for phase in ("new", "duplicate"):
             for i in range(n):

@@ -161,7 +161,7 @@ async def nats_outage(down: float, n: int = 50) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         server = RedisProcess(Path(tmp), args=("--appendonly", "yes", "--appendfsync", "always"))
         store = Counting(RedisBackend.from_url(server.url, prefix="idem-bench-outage:"))
-        on_message = nats_handler(store, handle)
+        on_message = nats_handler(store, handle, namespace="bench")
         try:
             for i in range(n):
                 await js.publish(f"{stream.lower()}.x", b"{}", headers={"Nats-Msg-Id": f"o-{i}"})

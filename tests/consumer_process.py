@@ -83,7 +83,8 @@ async def nats(stream: str, durable: str, prefix: str, counter: str) -> None:
 
     connection = await nats_py.connect(NATS)
     subscription = await connection.jetstream().pull_subscribe_bind(durable=durable, stream=stream)
-    on_message = nats_handler(store_for(prefix), handle, lease=float(os.environ.get("IDEM_LEASE", "30")))
+    lease = float(os.environ.get("IDEM_LEASE", "30"))
+    on_message = nats_handler(store_for(prefix), handle, namespace="payments", lease=lease)
     print("ready", flush=True)
     while True:
         try:

@@ -24,6 +24,7 @@ from nats.errors import TimeoutError as FetchTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
 from idem_asgi.backends.redis import RedisBackend
+from idem_asgi.errors import ConfigurationError
 from idem_asgi.jobs.consumers import nats_handler
 from idem_asgi.jobs.decorator import current_job
 from tests.support.scorecard import report
@@ -116,7 +117,7 @@ class Consumer:
     async def __aenter__(self) -> Consumer:
         self.connection = await nats.connect(NATS)
         self.store = RedisBackend.from_url(self.store_url, prefix=self.rig.prefix)
-        self.on_message = nats_handler(self.store, self.handle, **self.options)
+        self.on_message = nats_handler(self.store, self.handle, **{"namespace": "payments", **self.options})
         sub = await self.connection.jetstream().pull_subscribe_bind(durable=self.rig.durable, stream=self.rig.stream)
         self.task = asyncio.ensure_future(self.loop(sub))
         return self
@@ -389,7 +390,7 @@ async def test_the_push_subscription_form_of_the_docs_applies_each_message_once(
             durable="charge",
             config=config,
             manual_ack=True,
-            cb=nats_handler(store, handler(i), header="Payment-Id"),
+            cb=nats_handler(store, handler(i), namespace="charge", header="Payment-Id"),
         )
         for i, store in enumerate(stores)
     ]
@@ -411,29 +412,34 @@ async def test_the_push_subscription_form_of_the_docs_applies_each_message_once(
     assert await rig.dead_letters() == []
 
 
-async def test_two_durables_doing_different_work_on_one_stream_each_apply_every_message(rig: Rig) -> None:
-    """The default namespace is the stream and consumer: a second durable (say, the ledger next to
-    the charge) is not told its messages were applied already by the first one's records."""
-    await rig.js.add_consumer(
-        rig.stream, ConsumerConfig(durable_name="ledger", ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT)
-    )
+async def test_the_key_space_is_the_work_not_the_durable(rig: Rig) -> None:
+    """The key space is the `namespace` the consumer names, never the stream or durable: a second
+    durable doing other work (the ledger next to the charge) applies every message under its own,
+    and the charge moved to a new durable (renamed, push to pull, a mirror) applies none again (the
+    first version derived `nats:<stream>:<durable>`, and a new durable applied 10 of 10 again)."""
+    for durable in ("ledger", "charge-v2"):
+        await rig.js.add_consumer(
+            rig.stream, ConsumerConfig(durable_name=durable, ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT)
+        )
     applied: list[tuple[str, str]] = []
 
     async def handle(msg: Any) -> None:
         applied.append((msg.metadata.consumer, msg.headers["Nats-Msg-Id"]))
 
-    store = RedisBackend.from_url(REDIS_URL, prefix=rig.prefix)  # one store for both, as in an app
-    on_message = nats_handler(store, handle)
+    store = RedisBackend.from_url(REDIS_URL, prefix=rig.prefix)  # one store for all, as in an app
+    work = {"workers": "charge", "ledger": "ledger", "charge-v2": "charge"}
     connection = await nats.connect(NATS)
     try:
         js = connection.jetstream()
-        subscriptions = [await js.pull_subscribe_bind(durable=d, stream=rig.stream) for d in ("workers", "ledger")]
         for i in range(5):
             await rig.publish({"Nats-Msg-Id": f"pay-{i}"})
-        for sub in subscriptions:  # each durable gets every message
-            for msg in await sub.fetch(5, timeout=5):
-                await on_message(msg)
+        for durable, namespace in work.items():  # each durable gets every message
+            on_message = nats_handler(store, handle, namespace=namespace)
+            sub = await js.pull_subscribe_bind(durable=durable, stream=rig.stream)
+            await asyncio.gather(*(on_message(msg) for msg in await sub.fetch(5, timeout=5)))
     finally:
         await store.aclose()
         await connection.close()
     assert sorted(applied) == sorted((d, f"pay-{i}") for d in ("workers", "ledger") for i in range(5))
+    with pytest.raises(ConfigurationError, match="namespace"):
+        nats_handler(store, handle, namespace="")

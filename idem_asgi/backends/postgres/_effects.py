@@ -78,7 +78,7 @@ async def effect_transaction(store: PostgresBackend, connection: Any = None) -> 
                     await _mark_effect(store, conn, claim)
             if claim is not None:
                 claim.mark_effect()  # committed: a failure from now on must not release the claim
-        except BaseException:
+        except Exception:  # (cancelled inside it, the work ends: rolled back, nothing happened, it stays 't')
             if opened:  # rolled back: what the handler does next is outside it ('p' again)
                 assert claim is not None
                 with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
