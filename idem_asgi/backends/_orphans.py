@@ -20,6 +20,8 @@ logger = logging.getLogger("idem_asgi")
 E = TypeVar("E", bound=Hashable)
 MAX_PENDING: Final = 10_000
 BATCH: Final = 100
+DRAIN_WINDOW: Final = 10.0
+"""Seconds `aclose()` spends removing unanswered claims before it gives up on them."""
 
 
 class OrphanSweeper(Generic[E]):
@@ -53,20 +55,35 @@ class OrphanSweeper(Generic[E]):
         delay = 0.05
         while self._pending:
             await asyncio.sleep(delay)
-            now = monotonic()
-            for entry in [e for e, state in self._pending.items() if state[0] <= now]:
-                del self._pending[entry]
-            batch = list(self._pending.items())[:BATCH]
-            results = await asyncio.gather(*(self._remove(entry) for entry, _ in batch), return_exceptions=True)
-            failed = False
-            for (entry, state), result in zip(batch, results, strict=True):
-                if isinstance(result, BaseException):
-                    failed = True
-                elif result or state[1]:
-                    self._pending.pop(entry, None)
-                else:
-                    state[1] = True  # absent: look once more next round
-            delay = min(delay * 2, 2.0) if failed else 0.5
+            delay = min(delay * 2, 2.0) if await self._round() else 0.5
+
+    async def _round(self) -> bool:
+        """One removal round over (a batch of) the pending claims; True when the store failed."""
+        now = monotonic()
+        for entry in [e for e, state in self._pending.items() if state[0] <= now]:
+            del self._pending[entry]
+        batch = list(self._pending.items())[:BATCH]
+        results = await asyncio.gather(*(self._remove(entry) for entry, _ in batch), return_exceptions=True)
+        failed = False
+        for (entry, state), result in zip(batch, results, strict=True):
+            if isinstance(result, BaseException):
+                failed = True
+            elif result or state[1]:
+                self._pending.pop(entry, None)
+            else:
+                state[1] = True  # absent: look once more next round
+        return failed
+
+    async def drain(self, within: float = DRAIN_WINDOW) -> None:
+        """Remove what is pending now, round after round, for up to `within` seconds: a process that
+        closes its store (a job's, exiting) must not leave a claim that nothing ran under behind,
+        where it would answer `outcome-unknown` once its lease ran out."""
+        deadline = monotonic() + within
+        while self._pending and monotonic() < deadline:
+            failed = await self._round()
+            if self._pending:
+                # (the store failed: try again soon; a claim not found yet: its second look, as the sweep's)
+                await asyncio.sleep(min(0.25 if failed else 0.5, max(deadline - monotonic(), 0)))
 
     async def aclose(self) -> None:
         """Stop sweeping; say how many claims were left."""

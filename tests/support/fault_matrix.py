@@ -101,7 +101,9 @@ KIND_DETAILS: Final[dict[Kind, str]] = {
 #   uvicorn's shutdown timeout, a timeout around a job, a job process's graceful stop) ends
 #   `blocked`, unless the claim proves nothing happened (still inside an uncommitted
 #   `transaction()`: rolled back, run again once) or the outcome was stored already.
-# - The same fault before the claim ends `later`: nothing was claimed, the retry runs it.
+# - The same fault before the claim ends `later`: nothing was claimed, the retry runs it. So does
+#   a store fault before the claim of a request or a job: the claim fails (503, `BackendUnavailable`),
+#   while a consumer holds the delivery and claims it once the store is back (`once`).
 
 
 def expected(surface: Surface, point: Point, kind: Kind, store: Store) -> Outcome | None:
@@ -110,6 +112,8 @@ def expected(surface: Surface, point: Point, kind: Kind, store: Store) -> Outcom
         return None  # only Postgres has `transaction()`
     if kind in ("channel_lost", "broker_restart") and surface not in BROKERS:
         return None
+    if kind in ("store_outage", "store_stall") and point == "before_claim" and surface not in BROKERS:
+        return "later"  # the claim fails (503, `BackendUnavailable`): nothing ran, the client's retry runs it
     if not _ends_the_work(surface, kind):
         return "once"
     if point == "before_claim":

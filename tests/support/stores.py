@@ -47,25 +47,33 @@ def store_url(name: str) -> str:
 
 
 def store_from_url(
-    url: str, *, prefix: str = "", table: str = TEST_TABLE, pool: int | None = None, store_keys: bool = False
+    url: str,
+    *,
+    prefix: str = "",
+    table: str = TEST_TABLE,
+    pool: int | None = None,
+    store_keys: bool = False,
+    timeout: float | None = None,
 ) -> Backend:
     """A store for `url` (`memory://`, `redis://`, `postgresql://`), not set up yet.
 
     `prefix` is the Redis key prefix, `table` the Postgres table; `pool` bounds the connections
     (unset: the driver's default for Redis, 20 for Postgres); `store_keys` keeps raw keys (for
-    tests whose resolvers or listings need them; the default keeps digests, as the product does).
+    tests whose resolvers or listings need them; the default keeps digests, as the product does);
+    `timeout` the store's call timeout (unset: its default).
     """
     if url.startswith("memory://"):
         return MemoryBackend()
+    options: dict[str, Any] = {"store_keys": store_keys} | ({} if timeout is None else {"timeout": timeout})
     if url.startswith(("postgres://", "postgresql://")):
         from idem_asgi.backends.postgres import PostgresBackend
 
-        return PostgresBackend.from_dsn(url, table=table, min_size=1, max_size=pool or 20, store_keys=store_keys)
+        return PostgresBackend.from_dsn(url, table=table, min_size=1, max_size=pool or 20, **options)
     from idem_asgi.backends.redis import RedisBackend
 
-    if pool is None:
-        return RedisBackend.from_url(url, prefix=prefix, store_keys=store_keys)
-    return RedisBackend.from_url(url, prefix=prefix, max_connections=pool, store_keys=store_keys)
+    if pool is not None:
+        options["max_connections"] = pool
+    return RedisBackend.from_url(url, prefix=prefix, **options)
 
 
 @overload

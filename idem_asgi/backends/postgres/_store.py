@@ -394,6 +394,7 @@ class PostgresBackend(Watching, ClosingMixin):
         """Stop the sweep and close the pool if `from_dsn` made it (after connections still being handed
         back, and the writes still pending in this process: `on_close`)."""
         await self._before_close()
+        await self._orphans.drain()  # claims whose reply was lost: never leave one behind for nothing
         self._closed = self._owned  # a pool of the app's own stays usable; one we made is gone
         await self._orphans.aclose()
         if self._notices is not None:

@@ -407,6 +407,7 @@ class RedisBackend(Tools, ClosingMixin):
         write still being retried would otherwise open connections nobody closes), once the writes
         still pending in this process have landed or given up (`on_close`)."""
         await self._before_close()
+        await self._orphans.drain()  # claims whose reply was lost: never leave one behind for nothing
         self._closed = True
         await self._orphans.aclose()
         if self._notices is not None:

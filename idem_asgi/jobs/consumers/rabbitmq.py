@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -96,11 +97,42 @@ def rabbitmq_handler(
         if verdict.settle in HOLD and stopping.is_set():
             return  # left unsettled: requeued when the channel closes
         if verdict.settle is Settle.RETRY:
-            count = _delivery_count(message)
-            await stopped(stopping, retry_backoff(count + 1) if retry_delay is None else retry_delay)
+            count = max(_delivery_count(message), failures.count(message)) + 1
+            await stopped(stopping, retry_backoff(count) if retry_delay is None else retry_delay)
+        else:
+            failures.forget(message)
         await settled(_settle(message, verdict, store_hold), getattr(message, "message_id", None))
 
+    failures = _Failures()
     return Consumer(work, stop_timeout)
+
+
+class _Failures:
+    """Handler failures per message body in this consumer: a classic queue says only `redelivered`,
+    not how often, so the backoff counts them here (bounded: the oldest are forgotten)."""
+
+    __slots__ = ("_seen",)
+    LIMIT = 10_000
+
+    def __init__(self) -> None:
+        self._seen: dict[bytes, int] = {}
+
+    def count(self, message: Any) -> int:
+        """Failures counted so far (this one included from now on)."""
+        body = _identity(message)
+        seen = self._seen.pop(body, 0)
+        if len(self._seen) >= self.LIMIT:
+            del self._seen[next(iter(self._seen))]
+        self._seen[body] = seen + 1
+        return seen
+
+    def forget(self, message: Any) -> None:
+        if self._seen:
+            self._seen.pop(_identity(message), None)
+
+
+def _identity(message: Any) -> bytes:
+    return hashlib.sha256(repr((getattr(message, "message_id", None), bytes(message.body))).encode()).digest()
 
 
 def _delivery_count(message: Any) -> int:
