@@ -18,11 +18,13 @@ msg/s = N / (seconds from the start signal until the last ack, in any process). 
   a fresh prefix per round, its keys deleted after the round).
 
 Bare and ours rounds alternate (bare first in odd rounds, ours first in even ones), `--rounds` of
-each per broker. Per round: msg/s, and the consumers' CPU µs per message (their processes' CPU time
-from the start signal until told to stop, summed, / N; what the brokers and Redis spend is not in
-it). Per broker: the median over rounds of ours/bare (round r's ours over round r's bare), its
-min-max, and a `TARGET` line (>= 0.80). Every round checks that nothing was left unacked. Worker
-stderr goes to benchmarks/out/bench_consumer_rate.log. One default run takes about a minute.
+each per broker. Per round: msg/s, and CPU µs per message from the start signal until every ack was
+seen: the consumers' (their processes' CPU time, summed), the broker's and Redis's (their threads'
+`/proc/<pid>/task/*/schedstat`; the servers are found by name, and shared servers also count other
+users' work). Per broker: the median over rounds of ours/bare (round r's ours over round r's bare),
+its min-max, and a `TARGET` line (>= 0.80). Every round checks that nothing was left unacked (exit
+status 1 otherwise). Worker stderr goes to benchmarks/out/bench_consumer_rate.log. One default run
+takes about 25 s here (most of it starting processes and publishing).
 
     python -m benchmarks.bench_consumer_rate                       # 2000 messages, 2 processes, W=100, 3+3 rounds
     python -m benchmarks.bench_consumer_rate --brokers nats --rounds 5 --json
@@ -44,9 +46,10 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
+from urllib.parse import urlparse
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "out"
@@ -404,6 +407,43 @@ class _Nats(_Broker):
         await self.connection.close()
 
 
+def _server_pids() -> dict[str, list[int]]:
+    """The local servers' processes, by role, found by name in /proc (none found: not measured)."""
+    port = f":{urlparse(REDIS).port or 6379}"
+    found: dict[str, list[int]] = {"rabbitmq": [], "nats": [], "redis": []}
+    if not os.path.isdir("/proc"):
+        return found
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/comm") as f:
+                comm = f.read().strip()
+            if comm == "redis-server":
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if port.encode() not in f.read():
+                        continue
+        except OSError:
+            continue
+        role = {"beam.smp": "rabbitmq", "nats-server": "nats", "redis-server": "redis"}.get(comm)
+        if role is not None:
+            found[role].append(int(entry))
+    return found
+
+
+def _cpu_ns(pids: list[int]) -> int:
+    """CPU time the processes' threads have used (/proc/<pid>/task/<tid>/schedstat), ns."""
+    total = 0
+    for pid in pids:
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
 async def _delete_keys(prefix: str) -> int:
     import redis.asyncio as redis
 
@@ -454,10 +494,14 @@ async def one_round(broker: _Broker, side: str, number: int, opts: argparse.Name
         await _until(lambda: exited() or all(p.ready.is_set() for p in procs), progress, deadline, "ready")
         if exited():
             raise RuntimeError(f"a {broker.name} {side} consumer exited before the start; see {log.name}")
+        servers = _server_pids()
+        watched = {role: servers[role] for role in (broker.name, "redis") if servers[role]}
+        cpu_before = {role: _cpu_ns(pids) for role, pids in watched.items()}
         started = time.monotonic()
         for p in procs:
             p.send("go")
         await _until(lambda: exited() or sum(p.count for p in procs) >= opts.n, progress, deadline, "the acks")
+        servers_cpu = {role: (_cpu_ns(pids) - cpu_before[role]) / 1e3 / opts.n for role, pids in watched.items()}
         for p in procs:
             p.send("stop")
         for p in procs:
@@ -491,10 +535,21 @@ async def one_round(broker: _Broker, side: str, number: int, opts: argparse.Name
         "seconds": round(seconds, 4),
         "msg_per_s": round(opts.n / seconds, 1),
         "cpu_us_per_msg": round(sum(r["cpu_s"] for r in done) / opts.n * 1e6, 1),
+        "broker_cpu_us_per_msg": _rounded(servers_cpu.get(broker.name)),
+        "redis_cpu_us_per_msg": _rounded(servers_cpu.get("redis")),
         "first_ack_ms": round((min(r["first"] for r in done if r["count"]) - started) * 1e3, 1),
         "per_process": [r["count"] for r in done],
         "redis_keys": keys,
     }
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known), 1) if known else None
 
 
 def summary(rows: list[dict[str, Any]], broker: str) -> dict[str, Any] | None:
@@ -516,19 +571,26 @@ def summary(rows: list[dict[str, Any]], broker: str) -> dict[str, Any] | None:
         "ratio": round(ratio, 3),
         "ratio_min": round(min(ratios), 3),
         "ratio_max": round(max(ratios), 3),
-        "bare_cpu_us_per_msg": round(statistics.median(r["cpu_us_per_msg"] for r in bare), 1),
-        "ours_cpu_us_per_msg": round(statistics.median(r["cpu_us_per_msg"] for r in ours), 1),
+        "bare_cpu_us_per_msg": _median(r["cpu_us_per_msg"] for r in bare),
+        "ours_cpu_us_per_msg": _median(r["cpu_us_per_msg"] for r in ours),
+        "bare_broker_cpu_us_per_msg": _median(r["broker_cpu_us_per_msg"] for r in bare),
+        "ours_broker_cpu_us_per_msg": _median(r["broker_cpu_us_per_msg"] for r in ours),
+        "ours_redis_cpu_us_per_msg": _median(r["redis_cpu_us_per_msg"] for r in ours),
         "target": TARGET,
         "met": ratio >= TARGET,
     }
 
 
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
 def _round_line(r: dict[str, Any]) -> str:
     check = "" if r["left"] == 0 and r["acked"] >= r["messages"] else f"  !! {r['left']} left, {r['acked']} acked"
     return (
-        f"{r['broker']:<9} {r['side']:<5} round {r['round']}: {r['msg_per_s']:>8,.0f} msg/s"
-        f"  ({r['seconds']:.3f} s, first ack {r['first_ack_ms']:.0f} ms; consumers' CPU"
-        f" {r['cpu_us_per_msg']:.0f} µs/msg; per process {'/'.join(map(str, r['per_process']))}){check}"
+        f"{r['broker']:<9} {r['side']:<5} round {r['round']}: {r['msg_per_s']:>8,.0f} msg/s  ({r['seconds']:.3f} s;"
+        f" CPU µs/msg: consumers {r['cpu_us_per_msg']:.0f}, {r['broker']} {_us(r['broker_cpu_us_per_msg'])},"
+        f" redis {_us(r['redis_cpu_us_per_msg'])}; acks per process {'/'.join(map(str, r['per_process']))}){check}"
     )
 
 
@@ -566,13 +628,14 @@ async def main_async(opts: argparse.Namespace) -> int:
     if sums:
         print()
         head = f"{'broker':<9} {'bare msg/s':>10} {'ours msg/s':>10} {'ratio':>6} {'min-max':>10}"
-        print(f"{head}  consumers' CPU µs/msg bare -> ours (+extra)")
+        print(f"{head}  CPU µs/msg, bare -> ours: consumers (extra); broker; redis")
     for s in sums:
         extra = s["ours_cpu_us_per_msg"] - s["bare_cpu_us_per_msg"]
         print(
             f"{s['broker']:<9} {s['bare_msg_per_s']:>10,.0f} {s['ours_msg_per_s']:>10,.0f} {s['ratio']:>6.2f} "
             f"{s['ratio_min']:.2f}-{s['ratio_max']:.2f}  {s['bare_cpu_us_per_msg']:.0f} -> "
-            f"{s['ours_cpu_us_per_msg']:.0f} (+{extra:.0f})"
+            f"{s['ours_cpu_us_per_msg']:.0f} (+{extra:.0f}); {_us(s['bare_broker_cpu_us_per_msg'])} -> "
+            f"{_us(s['ours_broker_cpu_us_per_msg'])}; {_us(s['ours_redis_cpu_us_per_msg'])}"
         )
     for s in sums:
         verdict = "met" if s["met"] else "MISSED"

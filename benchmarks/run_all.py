@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         run("Durable claims", ["benchmarks.bench_durable", "--n", "300", "--blocks", "2"]),
         run("Bytes per request and per record", ["benchmarks.bench_footprint"]),
         run("Message consumers (NATS JetStream)", ["benchmarks.bench_consumers"]),
+        run("Message consumers' throughput beside a bare consumer (target 0.80)", ["benchmarks.bench_consumer_rate"]),
         run("Fingerprint rules per MiB", ["benchmarks.bench_fingerprint", "--sizes", "16384,1048576,4194304"]),
         run("Large Postgres table", ["benchmarks.bench_postgres_table", "--rows", str(args.rows)]),
         run(

@@ -160,8 +160,9 @@ async def claimed(
             session.stop()
         with contextlib.suppress(ValueError):  # left in another context than entered: nothing to restore here
             context.leave(current)
-    with anyio.CancelScope(shield=True):
-        await _settle(job)
+    if not job.stored:  # (stored: nothing left to settle, and no cancel scope to pay for)
+        with anyio.CancelScope(shield=True):
+            await _settle(job)
 
 
 def _recovery(session: JobClaim, hook: RecoverHook | None, *, applied_if_committed: bool) -> Recover | None:
@@ -415,6 +416,7 @@ def _decorate(spec: _Spec, func: Callable[P, Awaitable[R]]) -> Callable[P, Corou
     key, names, compared, scope = spec.key, spec.names, spec.compared, spec.scope
 
     expect_results(space, returns)  # recover hooks, resolvers and the CLI are held to it
+    rt = _runtime(spec.backend, spec.observer)  # once: the store's machinery, its abilities asked once
 
     @functools.wraps(func)
     async def run(*a: P.args, **kw: P.kwargs) -> R:
@@ -425,7 +427,6 @@ def _decorate(spec: _Spec, func: Callable[P, Awaitable[R]]) -> Callable[P, Corou
         owner = scope(*a, **kw) if scope is not None else None
         picked = values if compared is None else {n: values[n] for n in compared}
         printed = JOB + _job_args.fingerprint(picked, signature)
-        rt = _runtime(spec.backend, spec.observer)
         async with claimed(rt, terms, the_key, owner, printed, spec.recover) as job:
             if job.done:
                 assert job.result is not None

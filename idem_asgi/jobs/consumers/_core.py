@@ -27,6 +27,7 @@ import msgspec
 
 from ...backends import Backend
 from ...claims.recovery import RecoverHook
+from ...claims.session import Runtime
 from ...claims.surfaces import MESSAGE
 from ...errors import BackendError, WrongAnswer
 from ...observe import Observer
@@ -72,6 +73,12 @@ class Delivery(NamedTuple):
     fingerprint: bytes
 
 
+def body_of(message: Any) -> bytes:
+    """The body of an aio-pika message (`body`) or a nats-py one (`data`)."""
+    body = getattr(message, "body", None)
+    return bytes(message.data if body is None else body)
+
+
 class Reader:
     """How a consumer reads its messages: the key's source and the fingerprint's."""
 
@@ -85,6 +92,7 @@ class Reader:
         key: KeyOf | None,
         default: KeyOf,
         fingerprint: PrintOf | Iterable[str] | None,
+        body: Callable[[Any], bytes] = body_of,
     ) -> None:
         if sum(source is not None for source in (header, field, key)) > 1:
             raise ValueError(f"{adapter} keys a message by one source: header=, field= or key=, not two")
@@ -93,10 +101,10 @@ class Reader:
         elif header is not None:
             self.key = lambda message: (message.headers or {}).get(header)
         elif field is not None:
-            self.key = lambda message: _field_of(body_of(message), field)
+            self.key = lambda message: _field_of(body(message), field)
         else:
             self.key = default
-        self.fingerprint = _print_reader(fingerprint)
+        self.fingerprint = _print_reader(fingerprint, body)
 
     def read(self, message: Any) -> Delivery:
         """The delivery's key and fingerprint; `Malformed` (with the reason) when it has none."""
@@ -115,11 +123,11 @@ class Reader:
         return Delivery(str(raw), MESSAGE + printed)
 
 
-def _print_reader(given: PrintOf | Iterable[str] | None) -> Callable[[Any], bytes]:
+def _print_reader(given: PrintOf | Iterable[str] | None, body: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
     """SHA-256 of the body (default), of the JSON body's named top-level fields (a publisher that
     rebuilds a `sent_at` stamp on retry still sends the same message), or of what a callable reads."""
     if given is None:
-        return lambda message: hashlib.sha256(body_of(message)).digest()
+        return lambda message: hashlib.sha256(body(message)).digest()
     if callable(given):
         func = given
 
@@ -131,7 +139,7 @@ def _print_reader(given: PrintOf | Iterable[str] | None) -> Callable[[Any], byte
     fields = tuple(sorted(given))
 
     def picked(message: Any) -> bytes:
-        document = json.loads(body_of(message))
+        document = json.loads(body(message))
         if not isinstance(document, dict):
             raise ValueError("the body is not a JSON object")
         return hashlib.sha256(_ordered({f: document.get(f) for f in fields})).digest()
@@ -149,12 +157,6 @@ def _field_of(body: bytes, field: str) -> Any:
         return None
 
 
-def body_of(message: Any) -> bytes:
-    """The body of an aio-pika message (`body`) or a nats-py one (`data`)."""
-    body = getattr(message, "body", None)
-    return bytes(message.data if body is None else body)
-
-
 def body_digest(message: Any) -> str:
     """`key=body_digest`: the body's SHA-256 (hex) as the key, for publishers that set no stable id
     (an outbox relay republishing a row): the same body is the same message. Only when the body
@@ -164,26 +166,37 @@ def body_digest(message: Any) -> str:
 
 
 class Claiming(NamedTuple):
-    """A consumer's claim terms (what `applied` is given for every delivery)."""
+    """What a consumer claims every delivery with, built once: the core's runtime over its store, its
+    terms and its recover hook."""
 
-    namespace: str
-    ttl: float
-    lease: float
-    wait: float
+    runtime: Runtime
+    terms: JobTerms
     recover: RecoverHook | None
-    observer: Observer | None
+
+    @classmethod
+    def of(
+        cls,
+        backend: Backend,
+        namespace: str,
+        *,
+        ttl: float,
+        lease: float,
+        wait: float,
+        recover: RecoverHook | None,
+        observer: Observer | None,
+    ) -> Claiming:
+        return cls(_runtime(backend, observer), JobTerms(namespace, lease, ttl, wait), recover)
 
 
-async def applied(backend: Backend, delivery: Delivery, run: Callable[[], Awaitable[Any]], terms: Claiming) -> Verdict:
+async def applied(delivery: Delivery, run: Callable[[], Awaitable[Any]], claiming: Claiming) -> Verdict:
     """Run `run()` once per key and say how to settle the delivery: the broker-neutral core of both
     adapters (see the package docstring)."""
     key = delivery.key
     held = None
-    job_terms = JobTerms(terms.namespace, terms.lease, terms.ttl, terms.wait)
-    runtime = _runtime(backend, terms.observer)
+    runtime, terms = claiming.runtime, claiming.terms
     try:
         async with claimed(
-            runtime, job_terms, key, None, delivery.fingerprint, terms.recover, applied_if_committed=True
+            runtime, terms, key, None, delivery.fingerprint, claiming.recover, applied_if_committed=True
         ) as job:
             if job.done:
                 return Verdict(Settle.ACK)  # applied before: the earlier ack was lost
@@ -245,7 +258,8 @@ async def apply_once(
     if key is None:
         return malformed(Malformed("it has no key")).settle
     delivery = Delivery(key, MESSAGE + hashlib.sha256(body).digest())
-    return (await applied(backend, delivery, run, Claiming(namespace, ttl, lease, wait, recover, observer))).settle
+    claiming = Claiming.of(backend, namespace, ttl=ttl, lease=lease, wait=wait, recover=recover, observer=observer)
+    return (await applied(delivery, run, claiming)).settle
 
 
 class _HandlerFailed(Exception):
@@ -319,7 +333,8 @@ async def settled(call: Awaitable[object], key: str | None) -> None:
 STOP_TIMEOUT: Final = 30.0
 """Seconds a consumer's `async with` block waits, when it ends, for the deliveries still running."""
 Work = Callable[[Any, asyncio.Event], Awaitable[None]]
-Detach = Callable[[Any], Awaitable[bool]]
+Detach = Callable[[Any], "bool | Awaitable[bool]"]
+"""Whether the callback may return once a delivery's work started (the client needs no wait)."""
 
 
 class _Deliveries:
@@ -347,9 +362,12 @@ async def _deliver(deliveries: _Deliveries, message: Any) -> None:
     work = asyncio.ensure_future(deliveries.work(message, deliveries.event()))
     deliveries.running.add(work)
     work.add_done_callback(deliveries.running.discard)
-    if deliveries.detach is not None and await deliveries.detach(message):
-        work.add_done_callback(_logged)  # nobody awaits it: its error is logged
-        return
+    detach = deliveries.detach
+    if detach is not None:
+        detached = detach(message)
+        if detached is True or (detached is not False and await detached):
+            work.add_done_callback(_logged)  # nobody awaits it: its error is logged
+            return
     await asyncio.shield(work)
 
 

@@ -63,6 +63,15 @@ class ConsumerBook:
     def __init__(self) -> None:
         self._known: dict[tuple[str, str], tuple[asyncio.Future[ConsumerFacts], float]] = {}
 
+    def known(self, msg: Any) -> ConsumerFacts | None:
+        """The facts of the message's consumer when they are in and fresh (no await: the usual case)."""
+        entry = self._known.get((msg.metadata.stream, msg.metadata.consumer))
+        if entry is None or not entry[0].done() or entry[0].cancelled() or entry[0].exception() is not None:
+            return None
+        if time.monotonic() - entry[1] > REFRESH:
+            return None  # `facts` refreshes them
+        return entry[0].result()
+
     async def facts(self, msg: Any) -> ConsumerFacts:
         """The message's consumer facts; a look-up JetStream did not answer is asked again (with
         `in_progress()` before each retry, so the message is kept meanwhile), never raised into

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from typing import Any
 
 from ...backends import Backend
@@ -61,9 +61,10 @@ def nats_handler(
         namespace: The key space of this consumer's work (e.g. `"charge"`): named, never derived from
             the stream or the durable, so renaming the durable, moving from push to pull or reading a
             mirror keeps the records (a derived name would apply every message again).
-        header / field / key: The message's key: a header, a top-level JSON body field, or a callable
-            given the message. Default: the `Nats-Msg-Id` header (JetStream's own publish
-            de-duplication id).
+        header: A header holding the message's key (default: the `Nats-Msg-Id` header,
+            JetStream's own publish de-duplication id).
+        field: A top-level JSON body field holding the key.
+        key: A callable given the message, returning its key.
         fingerprint: What makes two deliveries of one key the same message: the body (default), the
             named top-level JSON fields, or a callable given the message.
         retry_delay: The `nak` delay for a delivery whose handler raised (default: 0.5 s doubling per
@@ -93,16 +94,17 @@ def nats_handler(
     if not namespace:
         raise ConfigurationError("nats_handler needs namespace= (the key space of this consumer's work)")
     book = ConsumerBook()
-    terms = Claiming(namespace, ttl, lease, wait, recover, observer)
+    claiming = Claiming.of(backend, namespace, ttl=ttl, lease=lease, wait=wait, recover=recover, observer=observer)
 
-    async def detach(msg: Any) -> bool:
-        return (await book.facts(msg)).push
+    def detach(msg: Any) -> bool | Awaitable[bool]:
+        known = book.known(msg)
+        return known.push if known is not None else _pushes(book, msg)
 
     async def work(msg: Any, stopping: asyncio.Event) -> None:
         if stopping.is_set():
             await settled(msg.nak(), None)  # stopping: another subscriber takes it now
             return
-        facts = await book.facts(msg)
+        facts = book.known(msg) or await book.facts(msg)
         # What the consumer's config refuses raises here, before anything ran: the message is left
         # unsettled (JetStream offers it again), and the error says what to change.
         every = progress_interval(facts, progress_every, lease)
@@ -115,7 +117,7 @@ def nats_handler(
                 verdict = malformed(exc)
             else:
                 verdict = await held_until_decided(
-                    lambda: applied(backend, delivery, lambda: handler(msg), terms), None, stopping
+                    lambda: applied(delivery, lambda: handler(msg), claiming), None, stopping
                 )
         finally:
             ticker.cancel()
@@ -136,6 +138,14 @@ async def _settle(
             await settled(msg.nak(delay=retry_backoff(_delivered(msg))), None)
     else:
         await settled(msg.nak(delay=retry_backoff(_delivered(msg)) if delay is None else delay), None)
+
+
+async def _pushes(book: ConsumerBook, msg: Any) -> bool:
+    return (await book.facts(msg)).push
+
+
+def _data(msg: Any) -> bytes:
+    return bytes(msg.data)
 
 
 def _delivered(msg: Any) -> int:

@@ -60,9 +60,10 @@ def rabbitmq_handler(
             the same messages for different work (a fanout exchange) each need their own, or the
             second would find every message already applied. A message carries nothing that names
             its queue, so there is no default.
-        header / field / key: The message's key: a header, a top-level JSON body field, or a callable
-            given the message (e.g. `body_digest`). Default: its `message_id` (aio-pika gives a
+        header: A header holding the message's key (default: its `message_id`; aio-pika gives a
             message published without one a random one: publish with a stable id).
+        field: A top-level JSON body field holding the key.
+        key: A callable given the message, returning its key (e.g. `body_digest`).
         fingerprint: What makes two deliveries of one key the same message: the body (default), the
             named top-level JSON fields (`["order_id", "amount"]`: a publisher that rebuilds a
             `sent_at` stamp on retry still sends the same message), or a callable given the message.
@@ -80,8 +81,8 @@ def rabbitmq_handler(
     dead-letter exchange to bound them. Dead letters are `reject(requeue=False)`, with the reason
     logged. Run it as `async with rabbitmq_handler(...) as on_message:` inside the connection's
     block, so a graceful stop drains it before the connection closes."""
-    reader = Reader("rabbitmq_handler", header, field, key, lambda message: message.message_id, fingerprint)
-    terms = Claiming(namespace, ttl, lease, wait, recover, observer)
+    reader = Reader("rabbitmq_handler", header, field, key, lambda message: message.message_id, fingerprint, _body)
+    claiming = Claiming.of(backend, namespace, ttl=ttl, lease=lease, wait=wait, recover=recover, observer=observer)
 
     async def work(message: Any, stopping: asyncio.Event) -> None:
         if stopping.is_set():
@@ -92,7 +93,7 @@ def rabbitmq_handler(
             verdict = malformed(exc)
         else:
             verdict = await held_until_decided(
-                lambda: applied(backend, delivery, lambda: handler(message), terms), store_hold, stopping
+                lambda: applied(delivery, lambda: handler(message), claiming), store_hold, stopping
             )
         if verdict.settle in HOLD and stopping.is_set():
             return  # left unsettled: requeued when the channel closes
@@ -133,6 +134,10 @@ class _Failures:
 
 def _identity(message: Any) -> bytes:
     return hashlib.sha256(repr((getattr(message, "message_id", None), bytes(message.body))).encode()).digest()
+
+
+def _body(message: Any) -> bytes:
+    return bytes(message.body)
 
 
 def _delivery_count(message: Any) -> int:
