@@ -1,7 +1,7 @@
 """idem_asgi: a retried request has its effect once; every repeat gets the first answer back."""
 
 from .backends import Backend, backend_from_url
-from .claims.context import IdempotencyInfo, current_idempotency, held_claim
+from .context import IdempotencyInfo, current_idempotency, held_claim
 from .errors import (
     BackendError,
     BackendMisconfigured,

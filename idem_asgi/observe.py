@@ -91,7 +91,7 @@ def scope_digest(scope: str | None) -> str | None:
 
 
 class LogObserver:
-    """One log record per event on logger `idem_asgi.events`, fields in `extra` for JSON formatters.
+    """One log record per event on the logger named "idem_asgi.events", fields in `extra` for JSON formatters.
 
     The scope is logged as `idem_scope_digest` (16 hex characters of its sha256), never raw: some
     apps scope by an API key or a credential's hash.

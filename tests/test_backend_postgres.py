@@ -15,7 +15,7 @@ import asyncpg
 import pytest
 
 from idem_asgi.backends.postgres import PostgresBackend, StaleRecord
-from idem_asgi.claims.context import held_claim
+from idem_asgi.context import held_claim
 from idem_asgi.errors import BackendUnavailable, ClaimLost, ConfigurationError
 from idem_asgi.records import COMPLETED, IN_PROGRESS, Claimed, Existing, RecordKey, StoredResponse
 from tests.support.servers import POSTGRES_DSN, free_port, require

@@ -26,7 +26,7 @@ from starlette.routing import Route
 from idem_asgi import IdempotencyMiddleware, JsonIgnoring, RawBody, RoutePolicy, StoredResponse, current_idempotency
 from idem_asgi._types import Message, Receive, Scope, Send
 from idem_asgi.backends import Backend, MemoryBackend
-from idem_asgi.claims.context import IdempotencyInfo
+from idem_asgi.context import IdempotencyInfo
 from idem_asgi.errors import ConfigurationError
 from idem_asgi.http import problems
 from idem_asgi.http.keys import scope_from_header

@@ -9,7 +9,7 @@ Here: the start-up check, concurrent requests through the middleware (one execut
 replays), a uvicorn storm, `transaction()` and its recover hook, all through a
 throwaway PgBouncer (`tests/support/pgbouncer.py`);
 then statement pooling, which refuses transaction blocks: a start-up error naming the fix. The
-contract suite runs through it too (`tests/test_backend_contract.py[postgres-pgbouncer]`).
+contract suite runs through it too (`tests/test_backend_contract.py`, its `postgres-pgbouncer` store).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import pytest
 from idem_asgi import IdempotencyMiddleware, RoutePolicy
 from idem_asgi._types import Receive, Scope, Send
 from idem_asgi.backends.postgres import PostgresBackend
-from idem_asgi.claims.context import held_claim
+from idem_asgi.context import held_claim
 from idem_asgi.errors import BackendMisconfigured
 from idem_asgi.http.middleware import check_store
 from idem_asgi.records import Claimed, RecordKey

@@ -13,7 +13,7 @@ import pytest
 
 from idem_asgi.backends import Backend
 from idem_asgi.backends.redis import RedisBackend
-from idem_asgi.claims.context import held_claim
+from idem_asgi.context import held_claim
 from idem_asgi.http import problems
 from idem_asgi.ops.reconcile import (
     ReconcilableBackend,

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from ..backends import Backend
     from ..observe import EventName
     from ..records import RecordKey
-    from .session import Terms
+    from .terms import Terms
 
 logger = logging.getLogger("idem_asgi")
 

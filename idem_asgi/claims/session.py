@@ -1,17 +1,20 @@
 """One claim's life, whatever asked for it: claim -> wait -> decide -> run -> settle.
 
-A surface (the ASGI adapter `_request.Protected`, the job adapter `jobs.claim`, and through it the
-consumer adapters) builds a `ClaimSession` over one frozen `Runtime` (the store and the shared
-machinery of one middleware, or of one store's jobs) and its `Terms` (lease, TTL, wait), then:
+A surface (the ASGI adapter `http.request.Protected`, the job adapter `jobs.decorator.claimed`, and
+through it the consumer adapters) builds a `ClaimSession` over one frozen `Runtime` (the store, the
+store's one machinery in this process, and the observer: `Runtime.of`, the one place a runtime is
+built) and its `Terms` (lease, TTL, wait), then:
 
-1. `claim()`, and `decided(result, recover)`: the pure `decide` table, holding a repeat while its
-   holder runs (`wait`: woken by the holder in this process, by the store's notice, or by a
-   bounded poll) and resolving an expired claim through `recovery.resolve`;
-2. `begin(token)`: the lease is renewed (`_leases.Leases`) while the work runs, and the session is
-   the `ClaimHandle` handlers reach (`mark_effect`, `PostgresBackend.transaction()`);
+1. `claim()` and `at_once(result)`: the usual outcomes (a new claim, a replay) decided at once;
+   for the rest `decided(result, recover)`: the pure `decide` table under the lease rule
+   (`judged`), holding a repeat while its holder runs (`wait`: woken by the holder in this process,
+   by the store's notice, or by a bounded poll) and resolving an expired claim through
+   `recovery.resolve`;
+2. `begin(token)`: the lease is renewed (`claims.leases.Leases`) while the work runs, and the session
+   is the `ClaimHandle` handlers reach (`mark_effect`, `PostgresBackend.transaction()`);
 3. `complete(answer)` or `end(keep=...)`: store the answer, release the claim, or keep it as
    outcome-unknown; a write the store fails to take is retried in the background
-   (`_late_writes.LateWrites`), and held repeats are told (`_waiting.Waiters`).
+   (`claims.late_writes.LateWrites`), and held repeats are told (`claims.waiting.Waiters`).
 
 Observers get the same events from every surface, through the runtime's `emit`.
 """
@@ -21,7 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import anyio
 
@@ -29,9 +32,11 @@ from .._logging import store_failed, throttled
 from ..backends._protocol import Watchable
 from ..errors import BackendMisconfigured
 from ..observe import Event, EventName, Observer
-from ..records import ClaimResult, Existing, Record, RecordKey, StoredResponse
-from .decide import EXPIRED, IN_PROGRESS, Action, decide
+from ..records import Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
+from .decide import EXPIRED, IN_PROGRESS, REPLAY, RUN, Action, decide
 from .recovery import Outcome, resolve
+from .runtime import machinery_for
+from .terms import Terms
 
 if TYPE_CHECKING:
     from ..backends import Backend
@@ -57,17 +62,7 @@ Settled = Literal["stored", "lost", "late", "dropped"]
 retried in the background); `dropped` (the store failed and the retrier is full)."""
 
 
-class Terms(Protocol):
-    """A claim's terms: a `Route`, or a job's `JobTerms`; `label` is what its events name as their route."""
-
-    @property
-    def label(self) -> str: ...
-    @property
-    def lease(self) -> float: ...
-    @property
-    def ttl(self) -> float: ...
-    @property
-    def wait(self) -> float: ...
+R = TypeVar("R", bound="Runtime")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +82,14 @@ class Runtime:
     def __post_init__(self) -> None:
         # What the store can do beyond `Backend`, asked once here, never per request.
         object.__setattr__(self, "watcher", self.store if isinstance(self.store, Watchable) else None)
+
+    @classmethod
+    def of(cls: type[R], store: Backend, observer: Observer | None, *more: Any) -> R:
+        """The runtime of a surface over `store`: the store's one machinery in this process (its lease
+        renewer, late writes and held repeats, shared by every surface), the observer, and what a
+        subclass adds (`more`). The one place a runtime is built."""
+        machinery = machinery_for(store)
+        return cls(store, machinery.leases, machinery.late, machinery.waiters, observer, *more)
 
     def holds(self, digest: str, token: int) -> bool:
         """Whether this process holds claim `token` on record `digest` (see `Machinery.holds`)."""
@@ -132,10 +135,11 @@ class ClaimSession:
 
     # -- claim, wait, decide ----------------------------------------------------------------------
 
-    async def claim(self) -> ClaimResult:
+    def claim(self) -> Awaitable[ClaimResult]:
+        """The store's claim of this session's key (its awaitable itself: no frame of our own)."""
         rkey, terms = self.rkey, self.terms
         assert rkey is not None
-        return await self.rt.store.claim(rkey, self.fingerprint, lease=terms.lease, ttl=terms.ttl)
+        return self.rt.store.claim(rkey, self.fingerprint, lease=terms.lease, ttl=terms.ttl)
 
     async def decided(
         self, result: ClaimResult, recover: Recover | None
@@ -175,6 +179,13 @@ class ClaimSession:
                 if action is not Action.RUN or self.rt.observer is not None:
                     self.emit(_EVENT_OF[action])
                 return action, result
+
+    def at_once(self, result: ClaimResult) -> Action | None:
+        """The two usual outcomes, decided without the loop of `decided`: a new claim (RUN) and a
+        completed one to replay (REPLAY). None for the rest (hold, recover, refuse: `decided`)."""
+        if result.__class__ is Claimed:
+            return RUN
+        return REPLAY if decide(result, self.fingerprint) is REPLAY else None
 
     def judged(self, result: ClaimResult) -> Action:
         """`decide`, under the lease rule (`claims.leases`): an expired lease is in progress while

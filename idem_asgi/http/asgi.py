@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Final
 
 from .._types import ASGIApp, Message, Receive, Scope, Send
-from ..claims.context import STATE_KEY, IdempotencyInfo, enter, leave
+from ..context import STATE_KEY, IdempotencyInfo, enter, leave
 
 HIDDEN_EXTENSIONS: Final = ("http.response.pathsend", "http.response.zerocopysend")
 """Extensions that would let a body bypass `send` (and so the recording): hidden on protected requests."""

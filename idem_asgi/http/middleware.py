@@ -1,8 +1,8 @@
 """IdempotencyMiddleware: configuration, and the dispatch of each request to pass through or protection.
 
-No storage code lives here (that is `backends`), no decision logic (`_decide`) and no per-request
-state: a protected request's steps live on its own `_request.Protected` object, built over the
-middleware's frozen `HttpRuntime` (what it needs, never the middleware itself).
+No storage code lives here (that is `backends`), no decision logic (`claims.decide`) and no
+per-request state: a protected request's steps live on its own `http.request.Protected` object,
+built over the middleware's frozen `HttpRuntime` (what it needs, never the middleware itself).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from .._logging import once
 from .._types import ASGIApp, Message, Receive, Scope, Send
 from ..backends import Backend, Checkable, Watchable
 from ..claims.late_writes import LateWrites
-from ..claims.runtime import machinery_for
 from ..claims.waiting import Waiters
 from ..errors import BackendMisconfigured, ConfigurationError
 from ..observe import Observer
@@ -144,12 +143,8 @@ class IdempotencyMiddleware:
         """What each protected request is handed (rebuilt when the store or the app is swapped): the
         store's one machinery in this process (lease renewer, late writes, held repeats), shared
         with the jobs and consumers that claim in the same store."""
-        machinery = machinery_for(self.backend)
-        return HttpRuntime(
+        return HttpRuntime.of(
             self.backend,
-            machinery.leases,
-            machinery.late,
-            machinery.waiters,
             self._observer,
             self.app,
             self.namespace,

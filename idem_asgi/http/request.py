@@ -23,9 +23,9 @@ import anyio
 
 from .._logging import redact, throttled
 from .._types import ASGIApp, Message, Receive, Scope, Send
-from ..claims.context import STATE_KEY, IdempotencyInfo, enter, leave
-from ..claims.decide import REPLAY, Action, decide
+from ..claims.decide import REPLAY, RUN, Action
 from ..claims.session import ClaimSession, Runtime
+from ..context import STATE_KEY, IdempotencyInfo, enter, leave
 from ..errors import BackendMisconfigured, StoreFull, WrongAnswer
 from ..records import Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
 from ..transform import AnswerTransform, seal, unseal
@@ -104,19 +104,19 @@ class Protected(ClaimSession):
                 self.rkey = RecordKey.build(self.rt.namespace, self.stored_owner, given)
             elif not await self._derive(given):
                 return
-            rkey = self.rkey
-            assert rkey is not None
-            try:  # (the store's own call, not `self.claim()`: one coroutine less on the hot path)
-                result = await self.rt.store.claim(rkey, self.fingerprint, lease=route.lease, ttl=route.ttl)
+            try:
+                result = await self.claim()
             except Exception as exc:
                 await self._claim_failed(exc)  # refuses, or (fail-open) runs the app unclaimed
                 return
-            if result.__class__ is Claimed:  # a new key: the usual case, decided without `decide`
+            action = self.at_once(result)
+            if action is RUN:
+                assert isinstance(result, Claimed)
                 if self.rt.observer is not None:
                     self.emit("claimed")
                 await self._run(result.token)
                 return
-            if decide(result, self.fingerprint) is REPLAY:  # the usual repeat: without the core's loop
+            if action is REPLAY:
                 assert isinstance(result, Existing) and result.record.response is not None
                 if self.rt.observer is not None:
                     self.emit("replayed")

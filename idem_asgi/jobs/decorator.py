@@ -40,12 +40,11 @@ from typing import Any, Final, Literal, ParamSpec, TypeVar
 import anyio
 import msgspec
 
+from .. import context
 from .._logging import redact
 from ..backends import Backend
-from ..claims import context
 from ..claims.decide import Action
 from ..claims.recovery import RecoverHook
-from ..claims.runtime import machinery_for
 from ..claims.session import ClaimSession, Recover, Runtime
 from ..claims.surfaces import JOB, expect_results
 from ..errors import ConfigurationError, WrongAnswer
@@ -91,8 +90,7 @@ class JobTerms:
 
 def _runtime(backend: Backend, observer: Observer | None) -> Runtime:
     """The core's runtime over the store's one machinery in this process (shared with HTTP)."""
-    machinery = machinery_for(backend)
-    return Runtime(backend, machinery.leases, machinery.late, machinery.waiters, observer)
+    return Runtime.of(backend, observer)
 
 
 @contextlib.asynccontextmanager

@@ -9,22 +9,35 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import anyio
 
-from ...claims.context import ClaimHandle, current_idempotency
+from ...context import ClaimHandle, current_idempotency
 from ...errors import ClaimLost, ConfigurationError
+from ...records import RecordKey
 from ._lean import LeanPool, broken_by
+from ._pool import Runner
+from ._sql import Statements
 
-if TYPE_CHECKING:
-    from ._store import PostgresBackend
+
+class EffectStore(Protocol):
+    """What a transaction uses of its store: passed in by `PostgresBackend.transaction`, never imported."""
+
+    sql: Statements
+    timeout: float
+    _runner: Runner
+
+    async def _get_pool(self) -> Any: ...
+
+    def _id(self, key: RecordKey) -> tuple[str, str, str]: ...
+
 
 _open_connection: ContextVar[Any] = ContextVar("idem_asgi_postgres_transaction", default=None)
 """The connection of the `transaction()` block open in this task, for blocks nested in it."""
 
 
-def _holds(backend: Any, target: PostgresBackend) -> bool:
+def _holds(backend: Any, target: EffectStore) -> bool:
     """Whether `backend` is `target`, or a wrapper around it (`.wrapped`, as the testing plugin makes)."""
     for _ in range(8):
         if backend is target:
@@ -35,7 +48,7 @@ def _holds(backend: Any, target: PostgresBackend) -> bool:
     return False
 
 
-def live_claim(store: PostgresBackend) -> ClaimHandle | None:
+def live_claim(store: EffectStore) -> ClaimHandle | None:
     """The claim of the protected request running in this context, if it was made in `store` and
     its answer is not final yet (a background task after the answer, or a keyless request, holds
     none: its transaction is a plain one)."""
@@ -44,16 +57,14 @@ def live_claim(store: PostgresBackend) -> ClaimHandle | None:
     if claim is None:
         return None
     if not _holds(claim.backend, store):
-        from ._store import PostgresBackend  # imported here: _store.py imports this module
-
-        if isinstance(claim.backend, PostgresBackend):
+        if isinstance(claim.backend, type(store)):  # another instance of the same store class
             raise ConfigurationError("this request was claimed through another PostgresBackend instance")
         return None  # claimed in another kind of store: this database's transaction is a plain one
     return claim
 
 
 @contextlib.asynccontextmanager
-async def effect_transaction(store: PostgresBackend, connection: Any = None) -> AsyncIterator[Any]:
+async def effect_transaction(store: EffectStore, connection: Any = None) -> AsyncIterator[Any]:
     """See `PostgresBackend.transaction`."""
     outer = _open_connection.get()
     if connection is None and outer is not None:
@@ -89,7 +100,7 @@ async def effect_transaction(store: PostgresBackend, connection: Any = None) -> 
 
 
 @contextlib.asynccontextmanager
-async def _connection(store: PostgresBackend, connection: Any) -> AsyncIterator[Any]:
+async def _connection(store: EffectStore, connection: Any) -> AsyncIterator[Any]:
     """`connection` as given, or one from the store's pool, handed back afterwards."""
     if connection is not None:
         yield connection
@@ -108,7 +119,7 @@ async def _connection(store: PostgresBackend, connection: Any) -> AsyncIterator[
     await pool.release(conn)
 
 
-async def _mark(store: PostgresBackend, conn: Any, claim: ClaimHandle, state: str) -> bool:
+async def _mark(store: EffectStore, conn: Any, claim: ClaimHandle, state: str) -> bool:
     """Mark the claim inside an open transaction (`t`) or not (`p`), fenced by its token; whether it
     changed (a claim already marked with an effect is left as it is)."""
     k = claim.rkey
@@ -118,7 +129,7 @@ async def _mark(store: PostgresBackend, conn: Any, claim: ClaimHandle, state: st
     return bool(status == "UPDATE 1")
 
 
-async def _mark_effect(store: PostgresBackend, conn: Any, claim: ClaimHandle) -> None:
+async def _mark_effect(store: EffectStore, conn: Any, claim: ClaimHandle) -> None:
     """Mark the claim effect-committed inside the open transaction, fenced by its token."""
     k = claim.rkey
     assert k is not None

@@ -11,14 +11,23 @@ stops the rewrite before its rows are touched.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 import asyncpg
 
 from ...records import RecordKey
+from ._pool import Runner
 
-if TYPE_CHECKING:
-    from ._setup import Setup
+
+class Table(Protocol):
+    """What these tools use of a `PostgresBackend`: passed in by the store, so they never import it."""
+
+    table: str
+    timeout: float
+    _runner: Runner
+
+    async def _get_pool(self) -> Any: ...
+
 
 HASHED: Final = "\x1f"
 """Marks a `key` column holding a digest: no raw key starts with it (header keys are visible ASCII,
@@ -30,7 +39,7 @@ Completed and never expiring, so neither `stale()` nor `purge()` sees it."""
 _MARK: Final = "namespace = '' AND scope = '' AND key = $1"
 
 
-async def record_raw_keys(backend: Setup) -> None:
+async def record_raw_keys(backend: Table) -> None:
     """Record that an app looks rows up by their raw keys (`store_keys=True`); when, as `lease_until`."""
     pool = await backend._get_pool()
     await backend._runner.run(
@@ -43,7 +52,7 @@ async def record_raw_keys(backend: Setup) -> None:
     )
 
 
-async def raw_keys_recorded(backend: Setup) -> float | None:
+async def raw_keys_recorded(backend: Table) -> float | None:
     """When an app with `store_keys=True` last recorded that it uses the table (store clock), or None."""
     pool = await backend._get_pool()
     since: float | None = await backend._runner.run(
@@ -55,13 +64,13 @@ async def raw_keys_recorded(backend: Setup) -> float | None:
     return since
 
 
-async def forget_raw_keys(backend: Setup) -> None:
+async def forget_raw_keys(backend: Table) -> None:
     """Drop that record (`migrate --no-store-keys`, once no worker with `store_keys=True` runs)."""
     pool = await backend._get_pool()
     await backend._runner.run(pool, "execute", f"DELETE FROM {backend.table} WHERE {_MARK}", RAW_KEYS)
 
 
-async def hash_stored_keys(backend: Setup, batch_size: int) -> tuple[int, int]:
+async def hash_stored_keys(backend: Table, batch_size: int) -> tuple[int, int]:
     """See `PostgresBackend.hash_stored_keys`."""
     pool = await backend._get_pool()
     t, timeout = backend.table, backend.timeout

@@ -12,38 +12,35 @@ A batch re-reads the record after reading its records, so an app that starts whi
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ...sealed_keys import is_sealed
 from ._scripts import BLANK_NAMES
-from ._stale import glob_escape
-
-if TYPE_CHECKING:
-    from ._tools import Tools
+from ._stale import Scanned, glob_escape
 
 
-def mark(store: Tools) -> str:
+def mark(store: Scanned) -> str:
     """The settings key: outside `{prefix}{<digest>}`, so no scan of records ever meets it."""
     return f"{store.prefix}store_keys"
 
 
-async def record_raw_keys(store: Tools) -> None:
+async def record_raw_keys(store: Scanned) -> None:
     async with store._tool_call():
         await store.client.set(mark(store), repr(time.time()))
 
 
-async def raw_keys_recorded(store: Tools) -> float | None:
+async def raw_keys_recorded(store: Scanned) -> float | None:
     async with store._tool_call():
         value = await store.client.get(mark(store))
     return None if value is None else float(value)
 
 
-async def forget_raw_keys(store: Tools) -> None:
+async def forget_raw_keys(store: Scanned) -> None:
     async with store._tool_call():
         await store.client.delete(mark(store))
 
 
-async def hash_stored_keys(store: Tools, scan_count: int) -> tuple[int, int]:
+async def hash_stored_keys(store: Scanned, scan_count: int) -> tuple[int, int]:
     """See `RedisBackend.hash_stored_keys`."""
     rewritten = 0
     async with store._tool_call():

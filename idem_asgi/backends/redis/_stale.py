@@ -4,13 +4,23 @@ pipelined batches, for the ops tools; never on a request's path."""
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, Final
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Final, Protocol
 
 from ...records import IN_PROGRESS, Record, RecordKey, StaleRecord
 from ...sealed_keys import KeySeal, is_sealed, opened
 
-if TYPE_CHECKING:
-    from ._tools import Tools
+
+class Scanned(Protocol):
+    """What the ops tools read of a `RedisBackend`: passed in by the store, so they never import it."""
+
+    client: Any
+    prefix: str
+    _cluster: bool
+    key_seal: KeySeal | None
+
+    def _tool_call(self) -> AbstractAsyncContextManager[None]: ...
+
 
 _STALE_FIELDS: Final = ("s", "f", "t", "l", "e", "n", "o", "k", "x")
 _DIGEST: Final = re.compile(rb"[0-9a-f]{64}")
@@ -25,7 +35,7 @@ def glob_escape(text: str) -> str:
 
 
 async def scan_stale(
-    store: Tools, older_than: float, limit: int, namespace: str | None, scan_count: int
+    store: Scanned, older_than: float, limit: int, namespace: str | None, scan_count: int
 ) -> list[StaleRecord]:
     """See `RedisBackend.stale`."""
     client = store.client

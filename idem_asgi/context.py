@@ -1,4 +1,8 @@
-"""How a handler learns the idempotency key (to forward it to its payment provider) and marks its effect."""
+"""How a handler learns the idempotency key (to forward it to its payment provider) and marks its effect.
+
+On the ground floor of the package: the stores read the live claim from here (`PostgresBackend.transaction()`),
+the claim core and the surfaces put it here. The claim's store is just an object here (compared by identity),
+so nothing here reaches up into `idem_asgi.backends`."""
 
 from __future__ import annotations
 
@@ -8,8 +12,7 @@ from contextvars import ContextVar, Token
 from typing import TYPE_CHECKING, Final, Protocol
 
 if TYPE_CHECKING:
-    from ..backends import Backend
-    from ..records import RecordKey
+    from .records import RecordKey
 
 STATE_KEY: Final = "idempotency"
 """Name under which `IdempotencyInfo` is put in `scope["state"]` (Starlette: `request.state.idempotency`)."""
@@ -23,8 +26,8 @@ class ClaimHandle(Protocol):
     """True once an effect was marked (`mark_effect()`, or a committed `transaction()`)."""
 
     @property
-    def backend(self) -> Backend:
-        """The store the claim was made in (possibly wrapped, see `wrapped`)."""
+    def backend(self) -> object:
+        """The store the claim was made in (possibly wrapped: its `wrapped` attribute)."""
         ...
 
     @property
@@ -107,7 +110,7 @@ class HeldClaim:
 
     __slots__ = ("_backend", "_rkey", "active", "effect", "token")
 
-    def __init__(self, backend: Backend, rkey: RecordKey, token: int) -> None:
+    def __init__(self, backend: object, rkey: RecordKey, token: int) -> None:
         self._backend = backend
         self._rkey = rkey
         self.token = token
@@ -115,7 +118,7 @@ class HeldClaim:
         self.effect = False
 
     @property
-    def backend(self) -> Backend:
+    def backend(self) -> object:
         """The store the claim was made in."""
         return self._backend
 
@@ -130,7 +133,7 @@ class HeldClaim:
 
 
 @contextmanager
-def held_claim(backend: Backend, rkey: RecordKey, token: int) -> Iterator[HeldClaim]:
+def held_claim(backend: object, rkey: RecordKey, token: int) -> Iterator[HeldClaim]:
     """Make a claim you took yourself (`backend.claim(...)`) the current one for this block.
 
     Inside it, `PostgresBackend.transaction()` and `checkpoint()` act for that claim, as they do in
