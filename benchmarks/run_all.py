@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         run("Held repeats in one process (10,000 on one key)", ["benchmarks.bench_held", "--hold", "3"]),
         run("Durable claims", ["benchmarks.bench_durable", "--n", "300", "--blocks", "2"]),
+        run("Postgres group commit", ["benchmarks.bench_group_commit", "--rounds", "2"]),
         run("Bytes per request and per record", ["benchmarks.bench_footprint"]),
         run("Message consumers (NATS JetStream)", ["benchmarks.bench_consumers"]),
         run("Message consumers' throughput beside a bare consumer (target 0.80)", ["benchmarks.bench_consumer_rate"]),

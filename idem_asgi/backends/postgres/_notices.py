@@ -96,11 +96,11 @@ class Notices(Listeners):
                 ready.set()
                 delay = 0.1
                 while not lost.is_set():
-                    with contextlib.suppress(TimeoutError):
+                    with contextlib.suppress(asyncio.TimeoutError):  # (not the builtin on 3.10)
                         await asyncio.wait_for(lost.wait(), PING_EVERY)
                         break
                     await conn.fetchval("SELECT 1", timeout=self._timeout)
-            except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            except (OSError, asyncio.TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
                 logger.info("idem_asgi: postgres notices interrupted (%r); listening again", exc)
             finally:
                 self.connection = None

@@ -54,6 +54,13 @@ _COLUMNS: Final = (
 )
 
 
+_QUALIFIED: Final = (
+    "r.state, r.fingerprint, r.token, extract(epoch from r.lease_until)::float8 AS lease_until, "
+    "extract(epoch from r.expires_at)::float8 AS expires_at, r.status, r.headers, r.body, r.replayable, "
+    "extract(epoch from now())::float8 AS now, r.checkpoint, r.trailers, r.ttl, r.sealed"
+)
+
+
 def _telling(change: str, at: int) -> str:
     """`change` (an UPDATE or DELETE of one claim), answering its row count and telling a watcher."""
     return (
@@ -76,8 +83,10 @@ class Statements:
     __slots__ = (
         "checkpoint",
         "claim",
+        "claim_many",
         "closing",
         "complete",
+        "complete_many",
         "completed_by",
         "effect",
         "extend",
@@ -134,6 +143,44 @@ SELECT false, state, fingerprint, token, lease_until, expires_at, status, header
        trailers, ttl, sealed
 FROM cur WHERE NOT free
 """
+        # The same claim for many keys at once (group commit), over arrays sorted by key; each result
+        # row carries its claim's token last. A key given twice is claimed once: the other call
+        # finds no row of its own and runs again, as after a lost race.
+        self.claim_many = f"""
+WITH q AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::int8[], $6::float8[], $7::float8[],
+                         $8::text[]) AS q(namespace, scope, key, fingerprint, token, lease, ttl, sealed_key)
+), cur AS (
+    SELECT q.token AS asked, {_QUALIFIED}, r.expires_at <= now() AS free
+    FROM q JOIN {t} AS r ON r.namespace = q.namespace AND r.scope = q.scope AND r.key = q.key
+), ins AS (
+    INSERT INTO {t} (namespace, scope, key, state, fingerprint, token, lease_until, expires_at, ttl, sealed_key)
+    SELECT q.namespace, q.scope, q.key, 'p', q.fingerprint, q.token, now() + q.lease * interval '1 second',
+           now() + q.ttl * interval '1 second', q.ttl, q.sealed_key
+    FROM q WHERE NOT EXISTS (SELECT 1 FROM cur WHERE cur.asked = q.token)
+    ORDER BY q.namespace, q.scope, q.key
+    ON CONFLICT (namespace, scope, key) DO NOTHING
+    RETURNING token
+), upd AS (
+    UPDATE {t} AS r SET sealed_key = q.sealed_key, state = 'p', fingerprint = q.fingerprint, token = q.token,
+        created_at = now(), ttl = q.ttl, lease_until = now() + q.lease * interval '1 second',
+        expires_at = now() + q.ttl * interval '1 second', status = NULL, headers = NULL, body = NULL,
+        replayable = NULL, checkpoint = NULL, trailers = NULL, sealed = NULL, watched = NULL
+    FROM q
+    WHERE r.namespace = q.namespace AND r.scope = q.scope AND r.key = q.key
+      AND EXISTS (SELECT 1 FROM cur WHERE cur.asked = q.token AND free) AND {free}
+    RETURNING q.token
+)
+SELECT true, NULL::"char", NULL::bytea, NULL::bigint, NULL::float8, NULL::float8, NULL::integer, NULL::bytea,
+       NULL::bytea, NULL::boolean, NULL::float8, NULL::text, NULL::bytea, NULL::float8, NULL::boolean, token
+FROM ins
+UNION ALL
+SELECT true, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, token FROM upd
+UNION ALL
+SELECT false, state, fingerprint, token, lease_until, expires_at, status, headers, body, replayable, now, checkpoint,
+       trailers, ttl, sealed, asked
+FROM cur WHERE NOT free
+"""
         # A takeover: the same update, of a held record whose lease of `$8` ended, never an insert. 'gone'
         # when no live record exists (released, or past its TTL): recovery must not resurrect it.
         held_free = "(r.state IN ('p', 't', 'u') AND r.token = $8 AND r.lease_until <= now() AND r.expires_at > now())"
@@ -169,6 +216,23 @@ UPDATE {t} SET state = 'c', status = $5, headers = $6, body = $7, replayable = $
 WHERE {where}""",
             12,
         )
+        # The same completion for many claims at once (group commit), fenced by each one's token;
+        # answers the tokens it completed, and tells each watched one's watcher.
+        self.complete_many = f"""
+WITH q AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::int8[], $5::int4[], $6::bytea[], $7::bytea[],
+                         $8::bool[], $9::float8[], $10::bytea[], $11::bool[], $12::text[])
+        AS q(namespace, scope, key, token, status, headers, body, replayable, ttl, trailers, sealed, digest)
+), u AS (
+    UPDATE {t} AS r SET state = 'c', status = q.status, headers = q.headers, body = q.body, replayable = q.replayable,
+        trailers = q.trailers, sealed = q.sealed, lease_until = now(), expires_at = now() + q.ttl * interval '1 second'
+    FROM q
+    WHERE r.namespace = q.namespace AND r.scope = q.scope AND r.key = q.key AND r.token = q.token
+      AND r.state IN ('p', 't', 'e', 'f')
+    RETURNING q.token, r.watched, q.digest
+)
+SELECT token, CASE WHEN watched THEN pg_notify($13, digest)::text END FROM u
+"""
         # Never release a record whose effect committed ('e'): a retry must not run it again.
         self.release = _telling(f"DELETE FROM {t} WHERE {held} AND state IN ('p', 't')", 5)
         # A repeat held in another process asks to be told when the claim `$4` ends: true (told),

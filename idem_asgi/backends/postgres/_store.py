@@ -33,6 +33,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 # After the check above: these need asyncpg.
 from ._effects import effect_transaction, live_claim
+from ._group import Args, Group
 from ._keys import HASHED
 from ._lean import POOL_ONLY
 from ._notices import Notices, Watching, channel_of
@@ -99,6 +100,8 @@ class PostgresBackend(Watching, ClosingMixin):
         self._orphans = OrphanSweeper(self._abandon_claim)
         self._runner = Runner(timeout, self.table)
         self.sql = Statements(self.table)
+        self._claims: Group[Any] = Group(self._claim_one, self._claim_many, token_at=4)
+        self._completions: Group[bool] = Group(self._complete_one, self._complete_many, token_at=3)
         self._channel = channel_of(self.table)
         self._notices: Notices | None = None  # opened by the first watch (from_dsn, no pooler)
         self._pooled = False  # a transaction-mode pooler in front: LISTEN cannot work
@@ -170,12 +173,48 @@ class PostgresBackend(Watching, ClosingMixin):
             return None
         return self.key_seal.seal(key)
 
-    async def _claim(self, key: RecordKey, fingerprint: bytes, lease: float, ttl: float, token: int) -> ClaimResult:
+    @property
+    def batch_sizes(self) -> dict[str, dict[int, int]]:
+        """Group commit so far: for claims and completions, how many statements carried how many rows."""
+        return {"claim": dict(self._claims.sizes), "complete": dict(self._completions.sizes)}
+
+    @property
+    def batches_split(self) -> int:
+        """Batches Postgres refused (a row it cannot store, a deadlock) and that were sent again row by row."""
+        return self._claims.split + self._completions.split
+
+    async def _claim_one(self, args: Args) -> tuple[Any, bool]:
         pool = await self._get_pool()
-        args = (*self._id(key), fingerprint, token, lease, ttl, self._sealed(key))
+        result: tuple[Any, bool] = await self._runner.run_again(pool, "fetchrow", self.sql.claim, *args)
+        return result
+
+    async def _claim_many(self, batch: Sequence[Args]) -> tuple[dict[int, Any], bool]:
+        """One statement for every claim of `batch` (sorted by key): each row by its claim's token."""
+        pool = await self._get_pool()
+        columns = [list(c) for c in zip(*batch, strict=True)]
+        rows, retried = await self._runner.run_again(pool, "fetch", self.sql.claim_many, *columns)
+        return {row[15]: row for row in rows}, retried
+
+    async def _complete_one(self, args: Args) -> tuple[bool, bool]:
+        pool = await self._get_pool()
+        changed, retried = await self._runner.run_again(
+            pool, "fetchval", self.sql.complete, *args[:11], self._channel, args[11]
+        )
+        return changed == 1, retried
+
+    async def _complete_many(self, batch: Sequence[Args]) -> tuple[dict[int, bool], bool]:
+        """One statement for every completion of `batch`: True for each token it completed."""
+        pool = await self._get_pool()
+        columns = [list(c) for c in zip(*batch, strict=True)]
+        rows, retried = await self._runner.run_again(pool, "fetch", self.sql.complete_many, *columns, self._channel)
+        done = {row[0]: True for row in rows}
+        return {args[3]: done.get(args[3], False) for args in batch}, retried
+
+    async def _claim(self, key: RecordKey, fingerprint: bytes, lease: float, ttl: float, token: int) -> ClaimResult:
+        args = (*self._id(key), fingerprint, token, float(lease), float(ttl), self._sealed(key))
         rerun = False
         for _ in range(5):
-            row, retried = await self._runner.run_again(pool, "fetchrow", self.sql.claim, *args)
+            row, retried = await self._claims.run(args)
             rerun = rerun or retried
             if row is None:
                 continue  # lost a race our snapshot cannot see (see _sql_claim): read again
@@ -227,7 +266,6 @@ class PostgresBackend(Watching, ClosingMixin):
         raise BackendError("takeover found neither the claim nor a record after 5 attempts")
 
     async def complete(self, key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
-        pool = await self._get_pool()
         args = (*self._id(key), token)
         trailers = None if response.trailers is None else _headers_encode(response.trailers)
         payload = (
@@ -235,15 +273,16 @@ class PostgresBackend(Watching, ClosingMixin):
             _headers_encode(response.headers),
             response.body,
             response.replayable,
-            ttl,
+            float(ttl),
             trailers,
             response.sealed or None,
+            key.digest,
         )
-        told = (self._channel, key.digest)
-        changed, retried = await self._runner.run_again(pool, "fetchval", self.sql.complete, *args, *payload, *told)
-        if changed == 1:
+        changed, retried = await self._completions.run((*args, *payload))
+        if changed:
             return True
         if retried:
+            pool = await self._get_pool()
             # The first attempt may have committed before the connection broke: a record completed
             # under our token can only be our own completion.
             return bool(await self._runner.run(pool, "fetchval", self.sql.completed_by, *args))
@@ -394,6 +433,8 @@ class PostgresBackend(Watching, ClosingMixin):
         """Stop the sweep and close the pool if `from_dsn` made it (after connections still being handed
         back, and the writes still pending in this process: `on_close`)."""
         await self._before_close()
+        await self._claims.aclose()  # batches on the wire: their callers are owed an answer
+        await self._completions.aclose()
         await self._orphans.drain()  # claims whose reply was lost: never leave one behind for nothing
         self._closed = self._owned  # a pool of the app's own stays usable; one we made is gone
         await self._orphans.aclose()
