@@ -192,9 +192,12 @@ class Rig:
         if self.kind == "redis":
             name = self.backend._key(RecordKey.build(self.namespace, None, key))
             return evalsha_of(CLAIM if target == "claim" else COMPLETE, name)
-        # The row's key column is the digest (keys are hashed at rest)
+        # The row's key column is the digest (keys are hashed at rest). The fragments match the
+        # one-row statement and the batched one (group commit) alike; a batch carrying several armed
+        # keys meets each of their faults at once, as their statements sent one by one would have.
         row_key = self.backend._id(RecordKey.build(self.namespace, None, key))[2]
-        return pg_execute("WITH cur AS" if target == "claim" else "SET state = 'c'", param=row_key.encode())
+        claim = "ON CONFLICT (namespace, scope, key) DO NOTHING"
+        return pg_execute(claim if target == "claim" else "SET state = 'c'", param=row_key.encode())
 
     async def store_state(self, key: str) -> str:
         record = await self.direct.get(RecordKey.build(self.namespace, None, key))
@@ -269,6 +272,7 @@ async def run_case(rig: Rig, c: Case) -> dict[str, Any]:
             "first_attempt": dict(Counter(a.outcome for a in first)),
             "store_records": dict(states),
             "orphans_pending": getattr(rig.backend, "pending_orphans", None),
+            "batch_sizes": getattr(rig.backend, "batch_sizes", None),
         },
     )
     await rig.ledger.cleanup()

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 import uuid
 
 import pytest
 
 from idem_asgi.backends.postgres import PostgresBackend
-from idem_asgi.errors import BackendError
+from idem_asgi.errors import BackendError, BackendUnavailable
 from idem_asgi.records import Claimed, Existing, RecordKey, StoredResponse
+from tests.support.faultproxy import StoreProxy, pg_execute
 from tests.support.servers import POSTGRES_DSN, require
 from tests.support.stores import TEST_TABLE
 
@@ -139,3 +141,34 @@ async def test_a_caller_cancelled_while_its_batch_is_on_the_wire_leaves_no_claim
         assert all([await store.get(k) is not None for k in kept])
     finally:
         await store.aclose()
+
+
+async def test_one_stuck_statement_does_not_hold_the_claims_queued_behind_it() -> None:
+    """The reply to one key's claim is lost (its caller waits out its `timeout`): the claims that
+    queued behind it go on another lane within `STUCK_AFTER` and succeed at once, and only the
+    stuck caller gets the 503-worthy error, as without batching."""
+    require("postgres", POSTGRES_DSN)
+    port = int(POSTGRES_DSN.rsplit(":", 1)[1].split("/")[0])
+    async with StoreProxy(port, protocol="pg") as proxy:
+        dsn = f"postgresql://postgres@127.0.0.1:{proxy.port}/{POSTGRES_DSN.rsplit('/', 1)[1]}?sslmode=disable"
+        store = PostgresBackend.from_dsn(dsn, table=TEST_TABLE, timeout=2.0)
+        await store.setup()
+        ns = f"group-{uuid.uuid4().hex}"
+        stuck = RecordKey.build(ns, None, "stuck")
+        others = [RecordKey.build(ns, None, f"k{i}") for i in range(20)]
+        try:
+            await store.claim(RecordKey.build(ns, None, "warm"), b"fp", lease=30, ttl=600)
+            proxy.fault(pg_execute("WITH cur AS", param=store._id(stuck)[2].encode()), action="drop_reply")
+            head = asyncio.ensure_future(store.claim(stuck, b"fp", lease=30, ttl=600))
+            await asyncio.sleep(0.02)  # the stuck claim is on the wire
+            started = time.monotonic()
+            results = await asyncio.gather(*(store.claim(k, b"fp", lease=30, ttl=600) for k in others))
+            took = time.monotonic() - started
+            assert all(isinstance(r, Claimed) for r in results), results
+            assert not head.done() and took < 1.0, f"the queued claims took {took:.2f} s behind the stuck one"
+            with pytest.raises(BackendUnavailable):
+                await head
+            assert proxy.applied() == 1
+        finally:
+            proxy.pass_through()
+            await store.aclose()

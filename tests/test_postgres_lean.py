@@ -5,6 +5,7 @@ cancelled statements really cancelled on the server, and asyncpg's pool used whe
 from __future__ import annotations
 
 import asyncio
+import gc
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -222,3 +223,37 @@ def test_asyncpgs_state_error_on_a_killed_connection_means_broken_and_unavailabl
     lost = asyncpg.exceptions.InternalClientError("cannot switch to state 11; another operation (2) is in progress")
     assert broken_by(lost), "never handed to the next statement"
     assert isinstance(wrapped(lost), BackendUnavailable), "a 503 (the statement may or may not have run), not a 500"
+
+
+async def test_callers_cancelled_while_their_connection_opens_leave_no_unretrieved_error(app_name: str) -> None:
+    """A request cancelled while the pool opens a connection for it (a client gone, a `wait_for`):
+    asyncpg's connect, cancelled midway, used to leave futures whose exception nobody read, and
+    asyncio printed "Future exception was never retrieved" for them. The connection now opens in a
+    task of its own and joins the pool when the caller has gone; no error is left unread and the
+    pool never exceeds `max_size`."""
+    loop = asyncio.get_running_loop()
+    unread: list[str] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: unread.append(str(context.get("message"))))
+    pool = await lean(app_name, min_size=0, max_size=8).start()
+    try:
+        for delay in (0.0005, 0.001, 0.002, 0.004, 0.008):
+            takers = [asyncio.ensure_future(pool.take(10)) for _ in range(8)]
+            await asyncio.sleep(delay)
+            for taker in takers:
+                taker.cancel()
+            for outcome in await asyncio.gather(*takers, return_exceptions=True):
+                if not isinstance(outcome, BaseException):
+                    pool.put(outcome)
+            await asyncio.sleep(0.3)  # the connections opening meanwhile join the pool
+            gc.collect()
+            assert pool.get_size() <= 8
+        await asyncio.sleep(0.2)
+        gc.collect()
+        assert unread == []
+        assert pool.get_size() == await connections(app_name)  # every connection opened is the pool's
+        async with pool.acquire(timeout=5) as conn:
+            assert await conn.fetchval("SELECT 1") == 1
+    finally:
+        await pool.close()
+        loop.set_exception_handler(previous)

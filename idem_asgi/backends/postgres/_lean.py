@@ -126,7 +126,7 @@ class LeanPool:
         if self._closing:
             raise asyncpg.InterfaceError("pool is closed")
         if self.get_size() + self._opening < self._max:
-            conn = await self._open(timeout)
+            conn = await self._open_shielded(timeout)
             self._busy.add(conn)
             return conn
         loop = asyncio.get_running_loop()
@@ -167,8 +167,29 @@ class LeanPool:
 
     # -- opening, expiring, closing ----------------------------------------------------------------
 
-    async def _open(self, timeout: float | None = None) -> Any:
-        self._opening += 1
+    async def _open_shielded(self, timeout: float | None) -> Any:
+        """Open a connection in a task of its own: a caller cancelled meanwhile leaves it to finish and
+        join the pool (asyncpg's connect, cancelled midway, leaves futures whose errors nobody reads)."""
+        self._opening += 1  # counted before the task runs, so concurrent takers respect max_size
+        task = asyncio.get_running_loop().create_task(self._open(timeout, counted=True))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._adopt)
+            raise
+
+    def _adopt(self, task: asyncio.Task[Any]) -> None:
+        """The connection its caller gave up on: into the pool (or to a waiter); its error, read."""
+        if task.cancelled() or task.exception() is not None:
+            self._refill()
+            return
+        conn = task.result()
+        self._busy.add(conn)
+        self.put(conn)
+
+    async def _open(self, timeout: float | None = None, *, counted: bool = False) -> Any:
+        if not counted:
+            self._opening += 1
         try:
             options = dict(self._connect)
             if timeout is not None:
