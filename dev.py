@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Set up a local virtualenv and run a job in it: `python3 dev.py demo|test|bench|soak|wheel|docs`.
 
-Needs nothing but Python 3.10+: it creates `.venv`, installs the package with its `dev`
+Needs nothing but Python 3.11+: it creates `.venv`, installs the package with its `dev`
 extra (again only when pyproject.toml changed), then runs the job inside it. `docs` installs the
 `docs` extra instead and builds the site with `mkdocs build --strict` into `site/`; `docs --serve`
 serves it on 127.0.0.1:8000 (further arguments go to mkdocs, e.g. `-a 127.0.0.1:9000`). `soak` is

@@ -22,6 +22,7 @@ import aio_pika
 import nats
 from nats.errors import TimeoutError as FetchTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+from pamqp.common import FieldTable
 
 from idem_asgi.backends.redis import RedisBackend
 from idem_asgi.jobs.consumers import nats_handler, rabbitmq_handler
@@ -120,7 +121,7 @@ async def rabbitmq_outage(down: float, n: int = 50) -> dict[str, Any]:
         try:
             channel = await connection.channel()
             await channel.set_qos(prefetch_count=10)
-            args = {"x-queue-type": "quorum", "x-delivery-limit": 5}
+            args: FieldTable = {"x-queue-type": "quorum", "x-delivery-limit": 5}
             queue = await channel.declare_queue(
                 f"idem-bench-outage-{uuid.uuid4().hex[:8]}", durable=True, arguments=args
             )

@@ -240,7 +240,7 @@ async def storm(port: int, keys: list[str], args: argparse.Namespace, rng: rando
             try:
                 async with gate:
                     r = await fetch("127.0.0.1", port, raw, timeout=args.request_timeout)
-            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
+            except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError) as exc:
                 res.attempts += 1
                 res.statuses[type(exc).__name__] += 1
                 await asyncio.sleep(0.05 * (attempt + 1))
@@ -281,7 +281,7 @@ async def late_retries(port: int, keys: list[str], res: StormResult, args: argpa
         async with gate:
             try:
                 r = await fetch("127.0.0.1", port, request_bytes(key, i), timeout=args.request_timeout)
-            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError):
+            except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError):
                 return False
         first = res.first_body.get(key)
         return r.header("idempotent-replayed") == b"true" and first is not None and r.body == first

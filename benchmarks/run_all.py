@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             print('no chart: pip install "idem-asgi[bench]" (matplotlib)')
     report = OUT / "report.md"
     report.write_text(
-        f"# Benchmarks, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n\n" + "\n".join(sections)
+        f"# Benchmarks, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC\n\n" + "\n".join(sections)
     )
     print(f"report: {report.relative_to(ROOT)}")
     return 0

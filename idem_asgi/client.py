@@ -33,7 +33,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, Generic, TypeVar
 
 import anyio
@@ -191,8 +191,8 @@ def _retry_after(response: httpx.Response) -> float | None:
     except (TypeError, ValueError, IndexError, OverflowError):
         return None
     if when.tzinfo is None:  # "-0000" and obsolete forms: HTTP dates are UTC
-        when = when.replace(tzinfo=timezone.utc)
-    return max(0.0, (when - datetime.now(timezone.utc)).total_seconds())
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, (when - datetime.now(UTC)).total_seconds())
 
 
 def _rebuilt(response: httpx.Response, raw: bytes) -> tuple[httpx.Response, bytes]:

@@ -119,7 +119,7 @@ async def nats(settings: dict[str, Any], store: Any, handle: Any) -> None:
         while True:
             try:
                 batch = await sub.fetch(int(settings["prefetch"]), timeout=1)
-            except (FetchTimeout, asyncio.TimeoutError):  # nats-py lets the latter out too, under load
+            except (TimeoutError, FetchTimeout):  # nats-py lets the latter out too, under load
                 continue
             await asyncio.gather(*(on_message(msg) for msg in batch))
 

@@ -389,7 +389,7 @@ class Puller:
         while True:
             try:
                 batch = await sub.fetch(10, timeout=0.5)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):  # nats-py lets the latter out too, under load
+            except (TimeoutError, nats.errors.TimeoutError):  # nats-py lets the latter out too, under load
                 continue
             self.deliveries += [(nats_key(msg), msg.metadata.num_delivered) for msg in batch]
             await asyncio.gather(*(self.on_message(msg) for msg in batch))

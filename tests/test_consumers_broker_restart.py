@@ -16,6 +16,7 @@ from typing import Any
 import aio_pika
 import pytest
 import redis.asyncio as aioredis
+from pamqp.common import FieldTable
 
 from idem_asgi.backends.redis import RedisBackend
 from idem_asgi.jobs.consumers import rabbitmq_handler
@@ -34,7 +35,7 @@ __all__ = ["collect_client_leftovers"]  # the autouse fixture
 QUEUE = "payments"
 # A classic durable queue: a quorum queue on this single throwaway node (RabbitMQ 3.10.8), SIGKILLed
 # and started again, logged "leader not known" and took no publish for over 100 s.
-ARGUMENTS = {"x-dead-letter-exchange": "payments-dlx"}
+ARGUMENTS: FieldTable = {"x-dead-letter-exchange": "payments-dlx"}
 
 
 async def until(condition: Callable[[], Awaitable[bool]], within: float) -> None:
@@ -83,7 +84,7 @@ async def _depths(node: RabbitNode) -> tuple[int, int]:
         channel = await connection.channel()
         ready = await channel.declare_queue(QUEUE, passive=True)
         dead = await channel.declare_queue("payments-dead", passive=True)
-        return int(ready.declaration_result.message_count), int(dead.declaration_result.message_count)
+        return ready.declaration_result.message_count or 0, dead.declaration_result.message_count or 0
 
 
 async def test_a_rabbitmq_node_restart_mid_stream_loses_no_message_and_applies_none_twice(tmp_path: Path) -> None:

@@ -337,7 +337,7 @@ def test_fingerprints_of_plain_arguments_are_those_of_earlier_releases() -> None
 
 
 async def test_a_repeat_returns_the_annotated_type_and_without_one_msgspecs_natural_types(backend: Backend) -> None:
-    when = datetime.datetime(2026, 12, 1, 9, 30, tzinfo=datetime.timezone.utc)
+    when = datetime.datetime(2026, 12, 1, 9, 30, tzinfo=datetime.UTC)
 
     @idempotent(backend, args=["n"], namespace=fresh())
     async def typed(n: int) -> tuple[int, datetime.datetime]:

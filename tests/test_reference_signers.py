@@ -8,7 +8,7 @@ import base64
 import json
 import os
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -30,7 +30,7 @@ BODY = b'{"type": "invoice.paid", "data": {"id": "in_1", "amount": 4200}}'
 
 
 def sw_headers(msg_id: str, body: bytes, secret: str = SECRET, at: datetime | None = None) -> list[tuple[str, str]]:
-    at = at or datetime.now(tz=timezone.utc)
+    at = at or datetime.now(tz=UTC)
     signature = Webhook(secret).sign(msg_id, at, body.decode())
     return [("webhook-id", msg_id), ("webhook-timestamp", str(int(at.timestamp()))), ("webhook-signature", signature)]
 
@@ -51,7 +51,7 @@ async def test_standard_webhooks_deliveries_apply_once_on_every_store(backend: B
     msg_id = "msg_" + uuid.uuid4().hex
     first = await drive(mw, http_scope("POST", PATH, headers=sw_headers(msg_id, BODY)), [BODY])
     # A redelivery is re-signed with a new timestamp: same id, a replay, never a second effect or a 422.
-    later = datetime.now(tz=timezone.utc) + timedelta(seconds=30)
+    later = datetime.now(tz=UTC) + timedelta(seconds=30)
     again = await drive(mw, http_scope("POST", PATH, headers=sw_headers(msg_id, BODY, at=later)), [BODY])
     assert first.status == 200 and again.status == 200 and again.body == first.body
     assert app.calls == 1 and app.bodies == [BODY]
@@ -64,10 +64,10 @@ async def test_standard_webhooks_refusals() -> None:
     mw = SignatureMiddleware(app, paths=[PATH], scheme=StandardWebhooksScheme(), secrets=[SECRET])
     tampered = await drive(mw, http_scope("POST", PATH, headers=sw_headers("m1", BODY)), [BODY + b" "])
     assert_problem(tampered, SIGNATURE_INVALID)
-    stale = datetime.now(tz=timezone.utc) - timedelta(minutes=6)
+    stale = datetime.now(tz=UTC) - timedelta(minutes=6)
     old = await drive(mw, http_scope("POST", PATH, headers=sw_headers("m1", BODY, at=stale)), [BODY])
     assert_problem(old, SIGNATURE_INVALID)
-    future = datetime.now(tz=timezone.utc) + timedelta(minutes=6)
+    future = datetime.now(tz=UTC) + timedelta(minutes=6)
     assert_problem(
         await drive(mw, http_scope("POST", PATH, headers=sw_headers("m1", BODY, at=future)), [BODY]), SIGNATURE_INVALID
     )
@@ -91,7 +91,7 @@ async def test_standard_webhooks_rotation_both_ways() -> None:
         r = await drive(mw, http_scope("POST", PATH, headers=sw_headers("m-" + secret[-6:], BODY, secret)), [BODY])
         assert r.status == 200
     # the provider's rotation: several signatures, one of them ours
-    at = datetime.now(tz=timezone.utc)
+    at = datetime.now(tz=UTC)
     unknown = "whsec_" + base64.b64encode(os.urandom(24)).decode()
     both = f"{Webhook(unknown).sign('m3', at, BODY.decode())} {Webhook(SECRET).sign('m3', at, BODY.decode())}"
     headers = [("webhook-id", "m3"), ("webhook-timestamp", str(int(at.timestamp()))), ("webhook-signature", both)]
@@ -130,7 +130,7 @@ async def test_stripe_scheme_verifies_what_the_stripe_package_signs(backend: Bac
     assert first.status == 200 and again.body == first.body and app.calls == 1
     assert_problem(await drive(mw, delivery(event, "whsec_other"), [event]), SIGNATURE_INVALID)
     assert_problem(await drive(mw, delivery(event), [event[:-1] + b" }"]), SIGNATURE_INVALID)
-    stale = int(datetime.now(tz=timezone.utc).timestamp()) - 301
+    stale = int(datetime.now(tz=UTC).timestamp()) - 301
     assert_problem(await drive(mw, delivery(event, timestamp=stale), [event]), SIGNATURE_INVALID)
     # and the stripe package accepts what it signed, as we do (the same rules)
     header = stripe.WebhookSignature.generate_signature_header(event.decode(), secret)

@@ -251,8 +251,7 @@ def main(argv: Sequence[str]) -> int:
         return report(read_scorecards(args.summarize))
     seeds = args.seed or [random.SystemRandom().randrange(1, 2**31) for _ in range(args.seeds)]
     out: Path = (
-        args.out
-        or ROOT / ".soak" / datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ") / "scorecards.jsonl"
+        args.out or ROOT / ".soak" / datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ") / "scorecards.jsonl"
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     soak = Soak(seeds, out, time.monotonic() + args.minutes * 60, extra)

@@ -35,7 +35,7 @@ class Listeners:
         assert self._ready is not None
         try:
             await asyncio.wait_for(self._ready.wait(), timeout)
-        except asyncio.TimeoutError:  # (not the builtin TimeoutError on 3.10)
+        except TimeoutError:
             return False
         return not self._refused
 

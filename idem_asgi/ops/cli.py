@@ -156,7 +156,7 @@ async def run(argv: Sequence[str] | None = None) -> int:
         return _fail(f"store unreachable: {exc}", 3)
     except BackendError as exc:
         return _fail(f"store error: {exc}", 4)
-    except (OSError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, OSError) as exc:
         return _fail(f"store unreachable: {type(exc).__name__}: {exc}", 3)
     finally:
         log.removeHandler(handler)

@@ -135,7 +135,7 @@ class Queues:
         async with await aio_pika.connect(self.url) as connection:
             channel = await connection.channel()
             declared = await channel.declare_queue(name or self.queue, passive=True)
-            return int(declared.declaration_result.message_count)
+            return declared.declaration_result.message_count or 0
 
     async def dead_letters(self) -> list[str]:
         """The keys of the messages in the dead-letter queue (taken off it)."""

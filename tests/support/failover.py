@@ -57,7 +57,7 @@ async def _client(port: int, key: str, at: float, began: float, gate: asyncio.Se
         try:
             async with gate:
                 status, headers, data = await _send(port, key, body)
-        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
+        except (TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
             answers.append((time.monotonic() - began, 0, {}, repr(exc).encode()))
             await asyncio.sleep(0.2)
             continue

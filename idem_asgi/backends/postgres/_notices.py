@@ -100,7 +100,7 @@ class Notices(Listeners):
                         await asyncio.wait_for(lost.wait(), PING_EVERY)
                         break
                     await conn.fetchval("SELECT 1", timeout=self._timeout)
-            except (OSError, asyncio.TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
                 logger.info("idem_asgi: postgres notices interrupted (%r); listening again", exc)
             finally:
                 self.connection = None

@@ -52,7 +52,7 @@ class Tools(RawKeyRecord):
             return
         try:
             await asyncio.wait_for(slots.acquire(), self.timeout)
-        except asyncio.TimeoutError:  # (not the builtin TimeoutError on 3.10)
+        except TimeoutError:
             raise BackendUnavailable(f"redis: no free connection within {self.timeout}s") from None
         try:
             yield
