@@ -22,6 +22,7 @@ from redis.credentials import UsernamePasswordCredentialProvider
 from idem_asgi.backends.redis import RedisBackend
 from idem_asgi.backends.redis._resp import RespPool, _pack
 from idem_asgi.records import Claimed, Existing, RecordKey
+from tests.support.faultproxy import StoreProxy
 from tests.support.servers import REDIS_URL, RedisProcess, redis_process, require, wait_until
 
 pytestmark = pytest.mark.redis
@@ -418,3 +419,30 @@ def test_an_error_reply_becomes_the_exception_redis_py_raises(reply: str) -> Non
 
     ours, theirs = error(hiredis.ReplyError(reply)), BaseParser.parse_error(reply)  # type: ignore[no-untyped-call]
     assert (type(ours), str(ours)) == (type(theirs), str(theirs))
+
+
+async def test_a_reply_still_arriving_is_late_not_stalled(throwaway: RedisProcess) -> None:
+    """A 1 MiB reply that trickles in over about 0.8 s (a proxy holds each 64 KiB read 50 ms) on a
+    0.3 s timeout: bytes keep arriving, so the call gets its whole reply instead of a timeout that
+    drops the connection; a reply with no byte for 0.5 s still fails at the timeout."""
+    admin = aioredis.Redis(port=throwaway.port)
+    value = bytes(range(256)) * 4096
+    await admin.set("big", value)
+    async with StoreProxy(throwaway.port, protocol="raw") as proxy:
+        conn = RespPool.from_url(f"redis://127.0.0.1:{proxy.port}/0", timeout=0.3)
+        assert conn is not None
+        try:
+            assert await conn.execute("PING") == b"PONG"
+            proxy.delay(0.05)
+            started = time.monotonic()
+            assert await conn.execute_alone("GET", "big") == value
+            took = time.monotonic() - started
+            assert took > 0.45, f"{took:.2f} s: the reply did not outlast the timeout, nothing was shown"
+            proxy.delay(0.5)
+            started = time.monotonic()
+            with pytest.raises(redis_errors.TimeoutError):
+                await conn.execute("PING")
+            assert time.monotonic() - started < 0.45
+        finally:
+            await conn.aclose()
+            await admin.aclose()

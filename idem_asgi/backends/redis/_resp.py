@@ -14,10 +14,11 @@ Failure semantics follow redis-py with a socket timeout:
   a refused connect is a `ConnectionError`, a slow one a `TimeoutError`; concurrent callers share
   one connect attempt;
 - a call not done within `timeout` (the wait for a pooled connection, a connect and the reply
-  share one deadline) fails with `TimeoutError`; a reply late by then aborts its connection
-  (any other call pending on it fails with `TimeoutError` too: its reply is stuck behind the same
-  stall). One lazy watchdog timer per connection checks the oldest call's deadline; no per-call
-  timer and no `wait_for`;
+  share one deadline) fails with `TimeoutError` when the connection has also been silent for
+  `timeout` (a reply still arriving, a big answer, is late, not stalled); it then aborts its
+  connection (any other call pending on it fails with `TimeoutError` too: its reply is stuck behind
+  the same stall). One lazy watchdog timer per connection checks the oldest call's deadline and the
+  last bytes heard; no per-call timer and no `wait_for`;
 - a call on the shared connection whose caller is cancelled leaves it be (its reply is read and
   dropped); an `execute_many` whose caller is cancelled aborts its connection (as redis-py does);
   a caller cancelled while it waits for a pooled connection gets its `CancelledError`, never a
@@ -61,6 +62,7 @@ class _Protocol(asyncio.Protocol):
         self.lost: asyncio.Future[None] = self.loop.create_future()
         self.timer: asyncio.TimerHandle | None = None
         self.queued: list[bytes] = []  # commands of this turn, not yet written (see `queue`)
+        self.heard = float("-inf")  # when bytes last arrived
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
@@ -119,12 +121,19 @@ class _Protocol(asyncio.Protocol):
         if self.closed or not self.pending:
             return
         deadline = self.pending[0][1]
-        if deadline <= self.loop.time():
-            self.abort(redis_errors.TimeoutError(f"no reply within {self.timeout}s"))
-        else:
+        now = self.loop.time()
+        if deadline > now:
             self.timer = self.loop.call_at(deadline, self._watchdog)
+        elif deadline - self.timeout < self.heard > now - self.timeout:
+            # Late, but bytes arrived since this call was sent, and lately (replies come in order,
+            # so they are this call's or finished the one before): a big reply on its way, not a
+            # stalled server. Judged again once `timeout` passes in silence.
+            self.timer = self.loop.call_at(self.heard + self.timeout, self._watchdog)
+        else:
+            self.abort(redis_errors.TimeoutError(f"no reply within {self.timeout}s"))
 
     def data_received(self, data: bytes) -> None:
+        self.heard = self.loop.time()
         reader = self.reader
         reader.feed(data)
         pending = self.pending
@@ -332,6 +341,14 @@ class RespPool:
             if isinstance(reply, BaseException) and not isinstance(reply, redis_errors.ResponseError):
                 raise reply  # the connection failed (or timed out): nothing is known
         return replies
+
+    async def execute_alone(self, *args: Any) -> Any:
+        """Send one command on a connection of its own (for a reply that may be large: it then holds
+        up nobody else's); its reply, or its error raised."""
+        (reply,) = await self.execute_many(args)
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
 
     async def _acquire_idle(self, deadline: float) -> _Protocol:
         idle = self._idle

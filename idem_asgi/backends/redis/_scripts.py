@@ -4,7 +4,9 @@ Record hash fields: `s` state (`p` in progress, `u` holder failed mid-answer, `c
 fingerprint, `t` fencing token, `l` lease deadline and `e` expiry (ms), `r` response blob, `x`
 TTL (ms), `n`/`o`/`k` namespace, scope, key, `w` set when a repeat in another process waits on
 the claim (its end is then published on the backend's channel). Replies with a record are
-`{flag, now, s, f, t, l, e, r, x}`.
+`{flag, now, s, f, t, l, e, r, x}`, where `r` is the blob itself only up to `APART` bytes and
+otherwise its size (an integer): a big answer is then read alone, on a connection of its own (see
+`RedisBackend._whole`), so it never holds the small replies behind it on the shared connection.
 
 A stored token equal to the caller's is the caller's own claim only while that record is in
 progress (`p`) with the caller's fingerprint: the same command run again after its reply was lost.
@@ -16,6 +18,17 @@ from __future__ import annotations
 
 from typing import Final
 
+APART: Final = 256 * 1024
+"""Answers above this many bytes are not in a script's reply: the caller reads them alone."""
+
+# The record's fields as replies carry them: `cur` as HMGET of s, f, t, l, e, x; then `r`, the
+# blob or, above APART bytes, its size.
+_CURRENT: Final = f"""
+local cur = redis.call('HMGET', KEYS[1], 's', 'f', 't', 'l', 'e', 'x')
+local r = redis.call('HSTRLEN', KEYS[1], 'r')
+if r <= {APART} then r = redis.call('HGET', KEYS[1], 'r') end
+"""
+
 _NOW: Final = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -25,12 +38,12 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 # only `stale()` reads them)
 CLAIM: Final = (
     _NOW
+    + _CURRENT
     + """
-local cur = redis.call('HMGET', KEYS[1], 's', 'f', 't', 'l', 'e', 'r', 'x')
 if cur[1] then
   -- Our own claim only as it was made: this command run again after its reply was lost.
   if cur[1] == 'p' and cur[3] == ARGV[2] and cur[2] == ARGV[1] then return {1, now} end
-  return {0, now, cur[1], cur[2], cur[3], cur[4], cur[5], cur[6], cur[7]}
+  return {0, now, cur[1], cur[2], cur[3], cur[4], cur[5], r, cur[6]}
 end
 redis.call('HSET', KEYS[1], 's', 'p', 'f', ARGV[1], 't', ARGV[2], 'l', now + ARGV[3], 'e', now + ARGV[4],
   'x', ARGV[4])
@@ -43,12 +56,12 @@ return {1, now}
 # KEYS[1]; ARGV: stale token, fingerprint, new token, lease_ms, ttl_ms, namespace, scope, key
 TAKEOVER: Final = (
     _NOW
+    + _CURRENT
     + """
-local cur = redis.call('HMGET', KEYS[1], 's', 'f', 't', 'l', 'e', 'r', 'x')
 if cur[1] == 'p' and cur[3] == ARGV[3] and cur[2] == ARGV[2] then return {1, now} end  -- ours, run again
 if not cur[1] then return {2, now} end
 if not ((cur[1] == 'p' or cur[1] == 'u') and cur[3] == ARGV[1] and tonumber(cur[4]) <= now) then
-  return {0, now, cur[1], cur[2], cur[3], cur[4], cur[5], cur[6], cur[7]}
+  return {0, now, cur[1], cur[2], cur[3], cur[4], cur[5], r, cur[6]}
 end
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 's', 'p', 'f', ARGV[2], 't', ARGV[3], 'l', now + ARGV[4], 'e', now + ARGV[5], 'x', ARGV[5])
@@ -152,10 +165,10 @@ return 1
 # KEYS[1]
 READ: Final = (
     _NOW
+    + _CURRENT
     + """
-local cur = redis.call('HMGET', KEYS[1], 's', 'f', 't', 'l', 'e', 'r', 'x')
 if not cur[1] then return {0, now} end
-return {1, now, cur[1], cur[2], cur[3], cur[4], cur[5], cur[6], cur[7]}
+return {1, now, cur[1], cur[2], cur[3], cur[4], cur[5], r, cur[6]}
 """
 )
 

@@ -277,7 +277,25 @@ class RedisBackend(Tools, ClosingMixin):
             if acked < self.durable_replicas:
                 await self._withdraw(name, token, ttl, acked)
             return Claimed(token)
-        return Existing(record(reply), reply[1] / 1000)
+        whole = await self._whole(name, reply)
+        if whole is None:  # the record changed while its big answer was read: claim again
+            return await self.claim(key, fingerprint, lease=lease, ttl=ttl)
+        return Existing(record(whole), reply[1] / 1000)
+
+    async def _whole(self, name: str, reply: list[Any]) -> list[Any] | None:
+        """`reply` with its answer, which a script leaves out above `APART` bytes (giving its size):
+        read alone, on a connection of its own, so a 32 MiB answer never holds up the small replies
+        of other requests on the shared one. None when the record changed meanwhile (another token)."""
+        if not isinstance(reply[7], int):
+            return reply
+        async with self._tool_call():
+            if self._lean is not None:
+                token, blob = await self._lean.execute_alone("HMGET", name, "t", "r")
+            else:
+                token, blob = await self.client.hmget(name, ["t", "r"])
+        if token != reply[4] or blob is None:
+            return None
+        return [*reply[:7], blob, reply[8]]
 
     async def _call_durable(self, script: Any, name: str, *args: Any) -> tuple[Any, int]:
         """`_call`, and how many replicas confirmed the write (`WAIT` behind it, same connection)."""
@@ -330,7 +348,10 @@ class RedisBackend(Tools, ClosingMixin):
             return Claimed(token)
         if reply[0] == 2:
             return None  # gone (released, completed and expired, or past its TTL): nothing to take over
-        return Existing(record(reply), reply[1] / 1000)
+        whole = await self._whole(name, reply)
+        if whole is None:  # changed while its big answer was read: judge the new record
+            return await self.takeover(key, stale_token, fingerprint, lease=lease, ttl=ttl)
+        return Existing(record(whole), reply[1] / 1000)
 
     async def complete(self, key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
         blob = encode_response(response)
@@ -384,8 +405,12 @@ class RedisBackend(Tools, ClosingMixin):
             await warn_on_replication(self.client, self.durable_replicas, self.timeout)
 
     async def get(self, key: RecordKey) -> Record | None:
-        reply = await self._call(self._read, self._key(key))
-        return record(reply) if reply[0] == 1 else None
+        name = self._key(key)
+        reply = await self._call(self._read, name)
+        if reply[0] != 1:
+            return None
+        whole = await self._whole(name, reply)
+        return record(whole) if whole is not None else await self.get(key)
 
     # -- claims whose reply was lost -------------------------------------------------------
 
