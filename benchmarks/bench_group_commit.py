@@ -28,6 +28,8 @@ from idem_asgi.backends.postgres._group import Args, Group
 from idem_asgi.records import Claimed, RecordKey, StoredResponse
 from tests.support.servers import POSTGRES_DSN, reachable
 
+from .figures import append
+
 ANSWER = StoredResponse(201, [(b"content-type", b"application/json")], b'{"id":"ch_1","status":"succeeded"}')
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -115,6 +117,17 @@ async def main(args: argparse.Namespace) -> int:
             one_pg = statistics.median(r[2] for r in figures["one-row"])
             grouped_pg = statistics.median(r[2] for r in figures["grouped"])
             ratios.append((inflight, grouped / one, grouped_pg / one_pg))
+            if args.summary:
+                row = {
+                    "kind": "group-commit",
+                    "inflight": inflight,
+                    "keys_ratio": round(grouped / one, 3),
+                    "pg_cpu_ratio": round(grouped_pg / one_pg, 3),
+                    "pg_us_per_key": round(grouped_pg, 1),
+                    "batch_median": statistics.median(rows) if rows else 1,
+                    "batch_max": rows[-1] if rows else 1,
+                }
+                append(args.summary, row)
     finally:
         Group.run = grouped_run  # type: ignore[method-assign]
         cleanup = PostgresBackend.from_dsn(args.postgres_dsn, table=table)
@@ -136,6 +149,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=2.0, help="seconds per round and mode")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds per in-flight count")
     p.add_argument("--postgres-dsn", default=POSTGRES_DSN)
+    p.add_argument("--summary", default="", help="also append each in-flight count's figures as a JSON line here")
     return p.parse_args(argv)
 
 

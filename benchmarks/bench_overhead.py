@@ -41,6 +41,7 @@ from typing import Any
 
 from benchmarks._client import Connection, LoadResult, percentile, run_load
 from benchmarks.bench_app import Server, install_signal_handlers, pin_self, stop_all
+from benchmarks.figures import append
 from idem_asgi._types import Receive, Scope, Send
 from tests.support.servers import POSTGRES_DSN, REDIS_URL, reachable
 
@@ -270,6 +271,8 @@ def backend_url(name: str, args: argparse.Namespace) -> str:
 def emit(args: argparse.Namespace, record: dict[str, Any]) -> None:
     if args.json:
         print(json.dumps(record), flush=True)
+    if args.summary:  # every record of the run, for benchmarks/figures.py (run_all passes it)
+        append(args.summary, record)
 
 
 async def server_mode(args: argparse.Namespace) -> int:
@@ -836,6 +839,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--postgres-dsn", default=POSTGRES_DSN)
     p.add_argument("--quick", action="store_true", help="short run: 2 rounds x 1.5 s, 100 latency samples")
     p.add_argument("--json", action="store_true", help="print JSON lines instead of tables")
+    p.add_argument("--summary", default="", help="also append every result as a JSON line to this file")
     p.add_argument("--inprocess", action="store_true", help="no server: call the middleware directly")
     p.add_argument("-n", type=int, default=40_000, help="requests per side and case in --inprocess mode")
     p.add_argument("--batches", type=int, default=40, help="alternating batches in --inprocess mode")

@@ -15,11 +15,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from benchmarks import figures
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out"
@@ -70,9 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=100_000, help="rows for the large Postgres table")
     args = parser.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
+    for old in OUT.glob("*.jsonl"):
+        old.unlink()  # this run's results only
+    started = datetime.datetime.now(datetime.UTC)
     sections = [
         run("Store round trips", ["benchmarks.bench_roundtrips"]),
-        run("Overhead", ["benchmarks.bench_overhead", "--quick"]),
+        run("Overhead", ["benchmarks.bench_overhead", "--quick", "--summary", str(OUT / "overhead-noop.jsonl")]),
         run(
             "Overhead, the route doing one Redis GET of its own",
             [
@@ -86,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                 "new-key,replay",
                 "--latency-samples",
                 "0",
+                "--summary",
+                str(OUT / "overhead-io.jsonl"),
             ],
         ),
         run("Retry storms vs strawman", ["benchmarks.bench_storm", "--quick"]),
@@ -103,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         ),
         run("Held repeats in one process (10,000 on one key)", ["benchmarks.bench_held", "--hold", "3"]),
         run("Durable claims", ["benchmarks.bench_durable", "--n", "300", "--blocks", "2"]),
-        run("Postgres group commit", ["benchmarks.bench_group_commit", "--rounds", "2"]),
+        run(
+            "Postgres group commit",
+            ["benchmarks.bench_group_commit", "--rounds", "2", "--summary", str(OUT / "group-commit.jsonl")],
+        ),
         run("Bytes per request and per record", ["benchmarks.bench_footprint"]),
         run("Message consumers (NATS JetStream)", ["benchmarks.bench_consumers"]),
         run("Message consumers' throughput beside a bare consumer (target 0.80)", ["benchmarks.bench_consumer_rate"]),
@@ -118,7 +129,14 @@ def main(argv: list[str] | None = None) -> int:
         sections.append(
             run(
                 "Instructions per request (callgrind)",
-                ["benchmarks.bench_overhead", *CALLGRIND, "--valgrind-requests", "600"],
+                [
+                    "benchmarks.bench_overhead",
+                    *CALLGRIND,
+                    "--valgrind-requests",
+                    "600",
+                    "--summary",
+                    str(OUT / "instructions.jsonl"),
+                ],
             )
         )
     else:
@@ -153,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         f"# Benchmarks, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC\n\n" + "\n".join(sections)
     )
     print(f"report: {report.relative_to(ROOT)}")
+    machine = f"{os.cpu_count()}-core {platform.machine()}, Python {platform.python_version()}"
+    latest = figures.collect(OUT, f"{started:%Y-%m-%d %H:%M} UTC", machine)
+    figures.LATEST.write_text(json.dumps(latest, indent=1) + "\n")
+    print(f"figures: {figures.LATEST.relative_to(ROOT)}; rewrote {', '.join(figures.write(latest)) or 'nothing'}")
     return 0
 
 

@@ -1,0 +1,234 @@
+"""One source for the benchmark figures the pages quote: `benchmarks/latest.json`.
+
+`python -m benchmarks.run_all` (`python3 dev.py bench`) writes `latest.json` from the results of the
+run and then rewrites the blocks of README.md and docs/benchmarks.md that quote them (between
+`<!-- figures:NAME -->` and `<!-- /figures:NAME -->`), so a page never quotes a figure another page
+or an older run contradicts. By hand:
+
+    python -m benchmarks.figures            # rewrite the blocks from latest.json
+    python -m benchmarks.figures --check    # exit 1 when a block differs from latest.json (a test runs it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+LATEST = ROOT / "benchmarks" / "latest.json"
+PAGES = {"readme": ROOT / "README.md", "standing": ROOT / "docs" / "benchmarks.md"}
+
+STORES = ("memory", "redis", "postgres", "floor", "naive", "forward")
+NAMES = {
+    "memory": "memory",
+    "redis": "Redis",
+    "postgres": "Postgres",
+    "floor": "capture floor",
+    "naive": "naive redis-py middleware",
+    "forward": "forwarding only",
+}
+TARGETS = {"redis": 0.85, "postgres": 0.65}  # new key, ours/bare, on the route with I/O (memory: over the floor)
+FLOOR_TARGET = 0.95  # memory's new key over the capture floor's
+INSTRUCTIONS_TARGET = 55_000  # the middleware's own per new key, memory store
+REPLAY_INSTRUCTIONS_TARGET = 40_000
+
+
+def append(path: str, row: dict[str, Any]) -> None:
+    """Add one result to a benchmark's summary file (JSON lines), which `collect` reads."""
+    with open(path, "a") as out:
+        out.write(json.dumps(row) + "\n")
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+
+
+def collect(out: Path, run: str, machine: str) -> dict[str, Any]:
+    """latest.json's content from the summary files `run_all` had the benchmarks write into `out`."""
+
+    def ratios(name: str) -> dict[str, dict[str, float]]:
+        by: dict[str, dict[str, float]] = {}
+        for row in _lines(out / name):
+            if row.get("kind") == "summary":
+                by.setdefault(row["backend"], {})[row["case"]] = row["ratio"]
+        return by
+
+    instructions: dict[str, dict[str, int]] = {}
+    for row in _lines(out / "instructions.jsonl"):
+        if row.get("kind") == "valgrind":
+            instructions.setdefault(row["server"], {})[row["case"]] = row["instructions"]
+    group = [{k: v for k, v in row.items() if k != "kind"} for row in _lines(out / "group-commit.jsonl")]
+    return {
+        "run": run,
+        "machine": machine,
+        "noop": ratios("overhead-noop.jsonl"),
+        "io": ratios("overhead-io.jsonl"),
+        "instructions": instructions,
+        "group_commit": group,
+    }
+
+
+def _f(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def _ratio_rows(data: dict[str, Any]) -> list[str]:
+    rows = []
+    for route, label in (("noop", "no-op route"), ("io", "route doing one Redis `GET`")):
+        for case, what in (("new-key", "new key"), ("replay", "replay")):
+            cells = [_f(data[route].get(s, {}).get(case)) for s in STORES]
+            rows.append(f"| {what}, {label} | " + " | ".join(cells) + " |")
+    rows.append("| store round trips, new key / replay | 0 / 0 | 2 / 1 | 2 / 1 | | 2 / 2 | |")
+    return rows
+
+
+def _own(data: dict[str, Any], case: str) -> int | None:
+    """The memory store's own instructions per request: over the bare app (a new key), over the
+    capture floor's replay (a replay runs no app)."""
+    counts = data["instructions"]
+    ours, base = counts.get("memory", {}).get(case), counts.get("bare" if case == "new-key" else "floor", {}).get(case)
+    return None if ours is None or base is None else ours - base
+
+
+WHY: dict[str, str] = {
+    "redis": "two script round trips through the event loop per new key on top of the middleware's own Python",
+    "postgres": "the worker, Postgres and the load client share 2 cores, and each new key costs Postgres two "
+    "statements and two commits of CPU; group commit cuts that only with many requests in flight",
+    "floor": "a coroutine frame per step, the ASGI message dicts, two SHA-256, the memory store's bookkeeping",
+    "instructions": "a coroutine frame per step (claim, run, capture, store), the message dicts, two SHA-256, the "
+    "memory store's bookkeeping (~20k) and the lease table; the capture floor alone costs 33k",
+    "replay": "the replay's store read and the answer's headers",
+}
+
+
+def _target(text: str, goal: float | str, ok: bool, why: str) -> str:
+    """One target line: its figure, its goal, met, or MISSED with the reason."""
+    return f"- {text} (target {goal}: met)" if ok else f"- {text} (target {goal}: MISSED, {WHY[why]})"
+
+
+def _targets(data: dict[str, Any]) -> list[str]:
+    io = data["io"]
+    lines = []
+    for store, goal in TARGETS.items():
+        value = io.get(store, {}).get("new-key")
+        if value is not None:
+            text = f"{NAMES[store]} new key, route with I/O: **{value:.2f}** of bare"
+            lines.append(_target(text, goal, value >= goal, store))
+    floor = io.get("floor", {}).get("new-key")
+    memory = io.get("memory", {}).get("new-key")
+    if floor and memory is not None:
+        over = memory / floor
+        lines.append(
+            _target(
+                f"memory new key over the capture floor: **{over:.2f}**", FLOOR_TARGET, over >= FLOOR_TARGET, "floor"
+            )
+        )
+    naive, redis = data["noop"].get("naive", {}).get("new-key"), data["noop"].get("redis", {}).get("new-key")
+    if naive and redis is not None:
+        lines.append(f"- Redis new key over the naive two-round-trip middleware, no-op route: **{redis / naive:.2f}**")
+    own = _own(data, "new-key")
+    if own is not None:
+        text = f"the middleware's own instructions per new key (callgrind, memory store): **{own / 1000:.1f}k**"
+        lines.append(_target(text, f"{INSTRUCTIONS_TARGET // 1000}k", own <= INSTRUCTIONS_TARGET, "instructions"))
+    replay = _own(data, "replay")
+    if replay is not None:
+        text = f"per replay, over the capture floor's: **{replay / 1000:.1f}k**"
+        goal = REPLAY_INSTRUCTIONS_TARGET
+        lines.append(_target(text, f"{goal // 1000}k", replay <= goal, "replay"))
+    return lines
+
+
+def _group_commit(data: dict[str, Any]) -> list[str]:
+    rows = data["group_commit"]
+    if not rows:
+        return []
+    out = [
+        "| Postgres group commit, in flight | keys/s, grouped over one-row | Postgres CPU per key, grouped over "
+        "one-row | µs of Postgres CPU per key, grouped | rows per statement (median / max) |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['inflight']} | x{r['keys_ratio']:.2f} | x{r['pg_cpu_ratio']:.2f} | {r['pg_us_per_key']:.0f} "
+            f"| {r['batch_median']:.0f} / {r['batch_max']} |"
+        )
+    return out
+
+
+def render(name: str, data: dict[str, Any]) -> str:
+    """The text of block `name` (readme, standing) for `data`."""
+    head = [
+        f"Latest run: **{data['run']}**, {data['machine']}; FastAPI `POST` under one uvicorn worker at",
+        "concurrency 32, requests/s with the middleware over the bare app, the floors measured in the same",
+        "rounds (from `benchmarks/latest.json`, written by `python3 dev.py bench`):",
+        "",
+        "| | " + " | ".join(NAMES[s] for s in STORES) + " |",
+        "|---|" + "---:|" * len(STORES),
+        *_ratio_rows(data),
+        "",
+        *_targets(data),
+    ]
+    if name == "standing":
+        head += ["", *_group_commit(data)]
+    return "\n".join(head) + "\n"
+
+
+def _replace(text: str, name: str, body: str) -> str:
+    start, end = f"<!-- figures:{name} -->\n", f"<!-- /figures:{name} -->"
+    if start not in text or end not in text:
+        raise ValueError(f"no block {name!r} (between {start.strip()} and {end})")
+    before, rest = text.split(start, 1)
+    _, after = rest.split(end, 1)
+    return before + start + body + end + after
+
+
+def block(text: str, name: str) -> str:
+    """What block `name` of a page holds now."""
+    start, end = f"<!-- figures:{name} -->\n", f"<!-- /figures:{name} -->"
+    return text.split(start, 1)[1].split(end, 1)[0]
+
+
+def write(data: dict[str, Any] | None = None) -> list[str]:
+    """Rewrite every page's block from `data` (default: latest.json); the pages that changed."""
+    data = data if data is not None else json.loads(LATEST.read_text())
+    changed = []
+    for name, page in PAGES.items():
+        text = page.read_text()
+        new = _replace(text, name, render(name, data))
+        if new != text:
+            page.write_text(new)
+            changed.append(str(page.relative_to(ROOT)))
+    return changed
+
+
+def drift() -> list[str]:
+    """The pages whose block differs from latest.json."""
+    data = json.loads(LATEST.read_text())
+    return [str(p.relative_to(ROOT)) for n, p in PAGES.items() if block(p.read_text(), n) != render(n, data)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="exit 1 when a page's block differs from latest.json")
+    args = parser.parse_args(argv)
+    if args.check:
+        stale = drift()
+        for page in stale:
+            print(f"{page}: its figures differ from benchmarks/latest.json (python -m benchmarks.figures)")
+        return 1 if stale else 0
+    for page in write():
+        print(f"rewrote {page}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
