@@ -171,7 +171,7 @@ async def test_inspect_of_an_absent_key_exits_1(
     store: Store, namespace: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, out, _ = await cli(capsys, *store.args, "inspect", "nope", "--namespace", namespace)
-    assert code == 1 and out == f"no record for {namespace} / - / nope\n"
+    assert code == 1 and out == f"no record for {namespace} / - / nope (a scoped key is found only with its --scope)\n"
     code, doc = await cli_json(capsys, *store.args, "inspect", "nope", "--namespace", namespace)
     assert code == 1 and doc["found"] is False and doc["key"] == "nope"
 
@@ -192,13 +192,23 @@ async def test_stale_lists_stuck_claims(store: Store, namespace: str, capsys: py
     assert out.endswith("1 stale claim(s) whose lease ended more than 0 s ago\n")
 
 
-async def test_stale_by_default_lists_a_claim_whose_lease_just_ended(
-    store: Store, namespace: str, capsys: pytest.CaptureFixture[str]
+async def test_stale_reconcile_and_resolve_share_one_age_filter_and_say_so(
+    store: Store, namespace: str, hook_module: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    await stuck(store.backend, RecordKey.build(namespace, "t", "just-ended"))
+    """A lease that ended a moment ago is left out by all three by default (60 s: a live holder
+    stalled past its lease may still renew), each saying why; `--older-than 0` takes it."""
+    token = await stuck(store.backend, RecordKey.build(namespace, "t", "just-ended"))
     await asyncio.sleep(0.25)
-    code, doc = await cli_json(capsys, *store.args, "stale", "--namespace", namespace)
-    assert code == 0 and [d["key"] for d in doc] == ["just-ended"]  # no --older-than: every ended lease
+    code, out, _ = await cli(capsys, *store.args, "stale", "--namespace", namespace)
+    assert code == 0 and "0 stale claim(s)" in out and "--older-than 60 leaves out" in out
+    hook = f"{hook_module}:resolve"
+    code, out, _ = await cli(capsys, *store.args, "reconcile", "--hook", hook, "--namespace", namespace, "--dry-run")
+    assert code == 0 and "examined 0" in out and "--older-than 0 takes every one" in out
+    argv = [*store.args, "resolve", "just-ended", "--namespace", namespace, "--scope", "t", "--token", str(token)]
+    code, out, _ = await cli(capsys, *argv, "--release")
+    assert code == 1 and "less than --older-than 60" in out
+    code, doc = await cli_json(capsys, *store.args, "stale", "--namespace", namespace, "--older-than", "0")
+    assert code == 0 and [d["key"] for d in doc] == ["just-ended"]
 
 
 async def test_reconcile_runs_the_hook(

@@ -3,12 +3,13 @@
     idem-asgi --backend redis://localhost:6379/0 inspect pay-7f3a --scope tenant-42
     idem-asgi stale --older-than 300                        # backend from $IDEM_BACKEND_URL
     idem-asgi reconcile --hook shop.ops:resolve --transform shop.ops:sealing --dry-run
+    idem-asgi resolve pay-7f3a --scope tenant-42 --token 8812 --release   # one key, no hook
     idem-asgi purge --batch-size 5000
     idem-asgi --backend postgresql://app@db/shop migrate --print
 
 Every command takes `--json` (one JSON document on stdout). Errors are one line on stderr.
 
-Exit codes: 0 done; 1 `inspect` found no record, or `reconcile` counted errors; 2 usage or
+Exit codes: 0 done; 1 `inspect` found no record, `resolve` wrote nothing, or `reconcile` counted errors; 2 usage or
 configuration (bad URL scheme, hook not found, `migrate` on a store without a schema);
 3 the store could not be reached; 4 the store answered with an error (a missing table, say).
 """
@@ -24,7 +25,8 @@ from typing import Any
 
 from ..errors import BackendError, BackendMisconfigured, BackendUnavailable, ConfigurationError
 from .cli_commands import _COMMANDS
-from .cli_io import ENV_URL, PROG, STDOUT_CLOSED, StdoutClosed, quiet_stdout
+from .cli_io import ENV_URL, OLDER_THAN, PROG, STDOUT_CLOSED, StdoutClosed, quiet_stdout
+from .cli_resolve import add_parser as add_resolve
 
 __all__ = ["ENV_URL", "PROG", "main", "run"]
 
@@ -59,11 +61,23 @@ def _common(parser: argparse.ArgumentParser, *, top: bool) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", default=default(False), help="log every step")
 
 
+def _age(parser: argparse.ArgumentParser) -> None:
+    """The one age filter of `stale`, `reconcile` and `resolve`."""
+    parser.add_argument(
+        "--older-than",
+        type=float,
+        default=OLDER_THAN,
+        metavar="SECONDS",
+        help=f"only claims whose lease ended this long ago ({OLDER_THAN:g}: a live holder stalled past its lease "
+        "may still renew; 0: every one)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Inspect idempotency records, resolve stuck claims, purge expired records, apply the schema.",
-        epilog="exit codes: 0 done, 1 not found / reconcile errors, 2 usage or configuration, "
+        epilog="exit codes: 0 done, 1 not found / nothing resolved / reconcile errors, 2 usage or configuration, "
         "3 store unreachable, 4 store error, 141 output closed (| head)",
     )
     _common(parser, top=True)
@@ -79,16 +93,14 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("stale", help="list claims whose holder stopped (lease over, never completed)")
     _common(p, top=False)
-    p.add_argument(
-        "--older-than", type=float, default=0.0, metavar="SECONDS", help="lease ended this long ago (0: every one)"
-    )
+    _age(p)
     p.add_argument("--limit", type=int, default=1000, help="at most this many (1000)")
     p.add_argument("--namespace", default=None, help="only this namespace (default: all)")
 
     p = sub.add_parser("reconcile", help="resolve stale claims with a hook that asks the source of truth")
     _common(p, top=False)
     p.add_argument("--hook", required=True, metavar="MODULE:FUNC", help="resolve(stale_record), sync or async")
-    p.add_argument("--older-than", type=float, default=60.0, metavar="SECONDS", help="lease ended this long ago (60)")
+    _age(p)
     p.add_argument("--limit", type=int, default=1000, help="claims examined in this run (1000)")
     p.add_argument("--namespace", default=None, help="only this namespace (default: all)")
     p.add_argument(
@@ -107,6 +119,8 @@ def _parser() -> argparse.ArgumentParser:
         "(default: stored in clear, marked so; they replay under any transform)",
     )
     p.add_argument("--dry-run", action="store_true", help="ask the hook, write nothing")
+
+    add_resolve(sub, _common, _age)
 
     p = sub.add_parser("purge", help="delete expired records (Redis expires them by itself)")
     _common(p, top=False)

@@ -29,6 +29,7 @@ from .cli_output import (
     stale_doc,
     text,
 )
+from .cli_resolve import run_resolve
 from .reconcile import reconcile
 
 # --- commands --------------------------------------------------------------------------------
@@ -62,16 +63,27 @@ def _not_negative(seconds: float, what: str) -> float:
     return seconds
 
 
-async def _inspect(args: argparse.Namespace) -> int:
+def _record_key(args: argparse.Namespace) -> RecordKey:
+    """The record `--namespace`, `--scope` and the key name (`inspect`, `resolve`)."""
     scope = None if args.scope is None else _utf8(args.scope, "--scope")
-    key = RecordKey.build(_utf8(args.namespace, "--namespace"), _stored_scope(scope), _utf8(args.key, "the key"))
+    return RecordKey.build(_utf8(args.namespace, "--namespace"), _stored_scope(scope), _utf8(args.key, "the key"))
+
+
+async def _resolve(args: argparse.Namespace) -> int:
+    return await run_resolve(args, _record_key(args))
+
+
+async def _inspect(args: argparse.Namespace) -> int:
+    key = _record_key(args)
     async with open_store(args) as backend:
         record = await backend.get(key)
         if record is None and args.store_keys is None and type(backend).__name__ == "PostgresBackend":
             # Not told which form the app writes: a row kept raw (`store_keys=True`, 0.1.0) too.
             record = await backend.get(msgspec.structs.replace(key, stored_raw=True))
     if record is None:
-        missing = f"no record for {label(key.namespace, key.scope, key.key)}"
+        missing = f"no record for {label(key.namespace, key.scope, key.key)}" + (
+            "" if key.scope else " (a scoped key is found only with its --scope)"
+        )
         emit(args, {**key_doc(key), "found": False}, lambda: [missing])
         return 1
 
@@ -121,6 +133,10 @@ async def _stale(args: argparse.Namespace) -> int:
             for s in found
         ]
         out.append(f"{len(found)} stale claim(s) whose lease ended more than {args.older_than:g} s ago")
+        if not found and args.older_than > 0:
+            out.append(
+                f"(the default --older-than {args.older_than:g} leaves out leases that ended since: 0 lists every one)"
+            )
         return out + hidden_note(sum(s.key.hidden for s in found), getattr(backend, "key_seal", None))
 
     emit(args, [stale_doc(s) for s in found], lines)
@@ -148,7 +164,16 @@ async def _reconcile(args: argparse.Namespace) -> int:
             concurrency=args.concurrency,
             transform=transform,
         )
-    emit(args, report_doc(report), lambda: report_lines(report, getattr(backend, "key_seal", None)))
+
+    def lines() -> list[str]:
+        out = report_lines(report, getattr(backend, "key_seal", None))
+        if not report.examined:
+            out.append(
+                f"(no claim whose lease ended more than {args.older_than:g} s ago: --older-than 0 takes every one)"
+            )
+        return out
+
+    emit(args, report_doc(report), lines)
     return 1 if report.errors else 0
 
 
@@ -216,6 +241,7 @@ async def _key_form(args: argparse.Namespace, store: Backend, what: str) -> tupl
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], Awaitable[int]]] = {
     "inspect": _inspect,
+    "resolve": _resolve,
     "stale": _stale,
     "reconcile": _reconcile,
     "purge": _purge,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
@@ -11,11 +12,15 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Final
 
 from ..backends import Backend, Maintenance, backend_class
-from ..errors import ConfigurationError
+from ..errors import BackendUnavailable, ConfigurationError
 from .reconcile import ReconcilableBackend
 
 ENV_URL = "IDEM_BACKEND_URL"
 PROG = "idem-asgi"
+OLDER_THAN = 60.0
+"""Seconds a lease must have been over before `stale`, `reconcile` and `resolve` take it for stuck:
+a live holder that stalled past its lease (a store stall) renews within that, so none is mistaken
+for a dead one. The library's own `reconcile()` gives the same advice: well over the lease."""
 
 
 # --- the store -------------------------------------------------------------------------------
@@ -56,6 +61,15 @@ async def open_store(args: argparse.Namespace) -> AsyncIterator[Any]:
     except (ValueError, TypeError) as exc:
         raise ConfigurationError(f"invalid backend URL: {exc}") from None
     async with backend:
+        if cls.__name__ == "RedisBackend":
+            # One PING within --timeout in all: it finds the primary (Sentinel) or the slots (Cluster)
+            # the command then uses, so an unreachable one fails within --timeout, not after the
+            # client's tries per sentinel and node.
+            try:
+                async with asyncio.timeout(args.timeout):
+                    await backend.ping()
+            except TimeoutError:
+                raise BackendUnavailable(f"no answer within --timeout {args.timeout:g} s") from None
         yield backend
 
 

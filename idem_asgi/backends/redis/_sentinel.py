@@ -71,7 +71,10 @@ def sentinel_client(url: str, *, max_connections: int, **options: Any) -> tuple[
     hosts, service, db, credentials = parse(url)
     sentinel_kwargs = options.pop("sentinel_kwargs", None)
     if sentinel_kwargs is None:
-        sentinel_kwargs = {k: v for k, v in options.items() if k.startswith("socket_")}
+        # The same time limits and the same single retry for the sentinels as for the servers:
+        # with redis-py's default (three retries, backing off) two sentinels that refuse took 15 s
+        # to say so on a 2 s timeout.
+        sentinel_kwargs = {k: v for k, v in options.items() if k.startswith("socket_") or k == "retry"}
     sentinel = Sentinel(hosts, sentinel_kwargs=sentinel_kwargs, **options)  # type: ignore[no-untyped-call]
     client = sentinel.master_for(service, db=db, max_connections=max_connections, **credentials)
     return client, sentinel

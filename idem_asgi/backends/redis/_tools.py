@@ -73,6 +73,12 @@ class Tools(RawKeyRecord):
             async with self._slot():
                 yield
 
+    async def ping(self) -> None:
+        """One round trip on the tools' client (which finds a Sentinel's primary or a Cluster's slots
+        first): raises `BackendUnavailable` when the store does not answer."""
+        async with self._tool_call():
+            await self.client.ping()
+
     async def stale(
         self, older_than: float = 0.0, limit: int = 1000, *, namespace: str | None = None, scan_count: int = 500
     ) -> list[StaleRecord]:
