@@ -61,15 +61,15 @@ def _common(parser: argparse.ArgumentParser, *, top: bool) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", default=default(False), help="log every step")
 
 
-def _age(parser: argparse.ArgumentParser) -> None:
-    """The one age filter of `stale`, `reconcile` and `resolve`."""
+def _age(parser: argparse.ArgumentParser, default: float = OLDER_THAN) -> None:
+    """The age filter of `stale` (default 0: it only lists) and of `reconcile` and `resolve` (60)."""
     parser.add_argument(
         "--older-than",
         type=float,
-        default=OLDER_THAN,
+        default=default,
         metavar="SECONDS",
-        help=f"only claims whose lease ended this long ago ({OLDER_THAN:g}: a live holder stalled past its lease "
-        "may still renew; 0: every one)",
+        help=f"only claims whose lease ended this long ago ({default:g}; {OLDER_THAN:g} gives a live holder "
+        "stalled past its lease time to renew; 0: every one)",
     )
 
 
@@ -93,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("stale", help="list claims whose holder stopped (lease over, never completed)")
     _common(p, top=False)
-    _age(p)
+    _age(p, 0.0)
     p.add_argument("--limit", type=int, default=1000, help="at most this many (1000)")
     p.add_argument("--namespace", default=None, help="only this namespace (default: all)")
 
