@@ -35,6 +35,7 @@ EventName = Literal[
     "lease_lost",  # renewal found the claim taken over
     "store_error",  # the store failed: 503 (or fail-open)
     "rejected",  # bad input: 400 or 413
+    "resolved",  # an operator resolved a stuck claim (the admin app)
 ]
 EVENT_NAMES: Final[tuple[str, ...]] = EventName.__args__  # type: ignore[attr-defined]
 _log = logging.getLogger("idem_asgi")

@@ -3,12 +3,12 @@
 Read from the source (every `import` and `from ... import`, those under `if TYPE_CHECKING:` too: a
 type a module names is a dependency of its design), module by module. The floors, from the ground up:
 
-0. what everything may use: `_types`, `errors`, `records`;
+0. what everything may use: `_types`, `errors`, `records`, `history` (what is stored);
 1. the leaf services: `_logging`, `observe`, `transform`, `sealed_keys`, `context` (what a handler is told);
 2. the stores: `backends` (and `_shared`, the stores a middleware shares);
 3. the claim core: `claims`;
 4. the surfaces: `http`, `jobs`;
-5. what is built on the surfaces: `ops`, `testing`, `client`, the package itself and `__main__`.
+5. what is built on the surfaces: `ops`, `admin`, `testing`, `client`, the package itself and `__main__`.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from tests.support.servers import ROOT
 
 PACKAGE: Final = ROOT / "idem_asgi"
 FLOORS: Final = (
-    ("idem_asgi._types", "idem_asgi.errors", "idem_asgi.records"),
+    ("idem_asgi._types", "idem_asgi.errors", "idem_asgi.records", "idem_asgi.history"),
     ("idem_asgi._logging", "idem_asgi.observe", "idem_asgi.transform", "idem_asgi.sealed_keys", "idem_asgi.context"),
     ("idem_asgi.backends", "idem_asgi._shared"),
     ("idem_asgi.claims",),
     ("idem_asgi.http", "idem_asgi.jobs"),
-    ("idem_asgi.ops", "idem_asgi.testing", "idem_asgi.client", "idem_asgi.__main__", "idem_asgi"),
+    ("idem_asgi.ops", "idem_asgi.admin", "idem_asgi.testing", "idem_asgi.client", "idem_asgi.__main__", "idem_asgi"),
 )
 
 

@@ -12,7 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any, Final
 
 from ..errors import ConfigurationError
-from ._protocol import Backend, Checkable, KeyForms, Maintenance, Watchable
+from ._protocol import Backend, Checkable, Histories, KeyForms, Maintenance, Watchable
 from .memory import MemoryBackend
 
 if TYPE_CHECKING:
@@ -23,6 +23,7 @@ __all__ = [
     "SCHEMES",
     "Backend",
     "Checkable",
+    "Histories",
     "KeyForms",
     "Maintenance",
     "MemoryBackend",

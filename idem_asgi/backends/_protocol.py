@@ -12,13 +12,15 @@ middleware, `reconcile`, the CLI), never at each call:
 - `Watchable`: `watch()`, so a held repeat in another process is told when a claim ends (Redis).
 - `Maintenance`: `stale()` and `purge()`, for the ops tools (`idem_asgi.ops.reconcile`, `idem-asgi`).
 - `KeyForms`: raw keys recorded, kept or rewritten to digests (`idem-asgi migrate`).
+- `Histories`: each key's history (`idem_asgi.history`), written in the background.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
+from ..history import Step
 from ..records import ClaimResult, Record, RecordKey, StaleRecord, StoredResponse
 
 
@@ -132,4 +134,21 @@ class KeyForms(Protocol):
 
     async def forget_raw_keys(self) -> None:
         """Drop that record (`migrate --no-store-keys`)."""
+        ...
+
+
+@runtime_checkable
+class Histories(Protocol):
+    """A store that keeps each key's history beside its record (`idem_asgi.history`)."""
+
+    history: int
+    """Steps kept per key that requests write; 0: requests write none (an operator's still are)."""
+
+    async def write_history(self, batch: Sequence[tuple[RecordKey, float, Sequence[Step]]]) -> None:
+        """Append each key's steps (kept at least its `ttl` seconds, and as long as its record),
+        keeping the last `history` (or `KEEP`) of each; one round trip for the whole batch."""
+        ...
+
+    async def read_history(self, key: RecordKey) -> list[Step]:
+        """The key's steps, oldest first (empty when none are kept or they expired)."""
         ...

@@ -19,12 +19,14 @@ import asyncio
 import heapq
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 
 from ..errors import ConfigurationError, StoreFull
+from ..history import KEEP, Step, counted_into
 from ..records import (
     COMPLETED,
     IN_PROGRESS,
@@ -55,6 +57,9 @@ class MemoryBackend(ClosingMixin):
         scope_share: The fraction of `max_entries` and of `max_bytes` one scope may hold (the
             unscoped key space of single-tenant routes is exempt).
         clock: Seconds since the epoch (tests pass a fake one).
+        history: Keep the last `history` steps of each key's history (`idem_asgi.history`); 0
+            (the default): requests write none. Histories count towards no bound but their own:
+            at most `max_entries` keys' histories are held, the oldest dropped first.
     """
 
     @classmethod
@@ -69,7 +74,10 @@ class MemoryBackend(ClosingMixin):
         max_bytes: int = 256 << 20,
         scope_share: float = 0.25,
         clock: Callable[[], float] = time.time,
+        history: int = 0,
     ) -> None:
+        if history < 0:
+            raise ConfigurationError(f"history must be 0 (none) or more steps, got {history!r}")
         if max_entries < 1:
             raise ConfigurationError(f"max_entries must be at least 1, got {max_entries!r}")
         if max_bytes < 1:
@@ -96,6 +104,8 @@ class MemoryBackend(ClosingMixin):
         self._bytes = 0
         self._expiry: list[tuple[float, str]] = []
         self._lock = threading.Lock()
+        self.history = history
+        self._histories: dict[str, tuple[deque[Step], list[float]]] = {}  # digest -> (steps, [expires at])
 
     def __len__(self) -> int:
         return len(self._records)
@@ -333,8 +343,46 @@ class MemoryBackend(ClosingMixin):
                 deleted = self._expire(self._clock(), batch_size)
             total += deleted
             if deleted < batch_size:
+                with self._lock:
+                    self._forget_histories(self._clock(), expired_only=True)
                 return total
             await asyncio.sleep(0)
+
+    async def write_history(self, batch: Sequence[tuple[RecordKey, float, Sequence[Step]]]) -> None:
+        """Append each key's steps, kept as long as its record and at least `ttl` seconds."""
+        with self._lock:
+            now = self._clock()
+            keep = self.history or KEEP
+            histories = self._histories
+            for key, ttl, steps in batch:
+                digest = key.digest
+                found = histories.get(digest)
+                if found is None or found[1][0] <= now:
+                    if len(histories) >= self.max_entries:
+                        self._forget_histories(now)
+                    found = histories[digest] = (deque(maxlen=keep), [0.0])
+                kept = found[0]
+                for step in steps:
+                    if not (kept and counted_into(kept[-1], msgspec.structs.replace(step))):
+                        kept.append(msgspec.structs.replace(step))  # a copy: the caller's steps stay theirs
+                rec = self._records.get(digest)
+                found[1][0] = max(found[1][0], now + ttl, rec.expires_at if rec is not None else 0.0)
+
+    def _forget_histories(self, now: float, *, expired_only: bool = False) -> None:
+        """Drop expired histories; if that left the bound reached, the oldest-written tenth."""
+        histories = self._histories
+        for digest in [d for d, (_, until) in histories.items() if until[0] <= now]:
+            del histories[digest]
+        if not expired_only and len(histories) >= self.max_entries:
+            for digest in list(histories)[: max(1, len(histories) // 10)]:
+                del histories[digest]
+
+    async def read_history(self, key: RecordKey) -> list[Step]:
+        with self._lock:
+            found = self._histories.get(key.digest)
+            if found is None or found[1][0] <= self._clock():
+                return []
+            return list(found[0])
 
     async def aclose(self) -> None:
         """Nothing to close but the writes still pending in this process (`on_close`)."""

@@ -1,7 +1,7 @@
 """One claim machinery per process and store, shared by every surface that claims in that store.
 
 A process that serves HTTP and runs jobs or consumers on one store has one lease renewer, one
-late-write retrier and one table of held repeats for it, built here and nowhere else. That is what
+late-write retrier, one table of held repeats and one history writer for it, built here and nowhere else. That is what
 lets the lease rule hold across surfaces: a claim this process holds (renewed, or its answer waiting
 to be written) is known to every session in the process, so none of them ever recovers it or takes
 it over while its holder lives.
@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..backends._base import ClosingMixin
+from ..backends._protocol import Histories
 from .late_writes import LateWrites
 from .leases import Leases
+from .trail import Trail
 from .waiting import Waiters
 
 if TYPE_CHECKING:
@@ -29,6 +31,8 @@ class Machinery:
     leases: Leases
     late: LateWrites
     waiters: Waiters
+    trail: Trail | None
+    """Each key's history, when the store keeps one (`history=N`)."""
 
     def holds(self, digest: str, token: int) -> bool:
         """Whether this process holds claim `token` on record `digest`: its work still runs (its lease
@@ -45,10 +49,13 @@ def machinery_for(store: Backend) -> Machinery:
     drained when the store closes (`aclose()`: a built-in store, or one a wrapper delegates to)."""
     found = _by_store.get(store)
     if found is None:
-        found = _by_store[store] = Machinery(Leases(), LateWrites(), Waiters())
+        trail = Trail(store) if isinstance(store, Histories) and store.history > 0 else None
+        found = _by_store[store] = Machinery(Leases(), LateWrites(), Waiters(), trail)
         closing = _closing(store)
         if closing is not None:
             closing.on_close(found.late.drain)
+            if trail is not None:
+                closing.on_close(trail.drain)
     return found
 
 

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from ..backends import Backend
     from .late_writes import LateWrites
     from .leases import Leases
+    from .trail import Trail
     from .waiting import Waiters
 
 logger = logging.getLogger("idem_asgi")
@@ -77,11 +78,14 @@ class Runtime:
     late: LateWrites
     waiters: Waiters
     observer: Observer | None
+    trail: Trail | None
     watcher: Watchable | None = field(init=False)  # the store, if it can tell when a claim ends
+    told: bool = field(init=False)  # somebody hears of each step: an observer, or the key's history
 
     def __post_init__(self) -> None:
         # What the store can do beyond `Backend`, asked once here, never per request.
         object.__setattr__(self, "watcher", self.store if isinstance(self.store, Watchable) else None)
+        object.__setattr__(self, "told", self.observer is not None or self.trail is not None)
 
     @classmethod
     def of(cls: type[R], store: Backend, observer: Observer | None, *more: Any) -> R:
@@ -89,7 +93,7 @@ class Runtime:
         renewer, late writes and held repeats, shared by every surface), the observer, and what a
         subclass adds (`more`). The one place a runtime is built."""
         machinery = machinery_for(store)
-        return cls(store, machinery.leases, machinery.late, machinery.waiters, observer, *more)
+        return cls(store, machinery.leases, machinery.late, machinery.waiters, observer, machinery.trail, *more)
 
     def holds(self, digest: str, token: int) -> bool:
         """Whether this process holds claim `token` on record `digest` (see `Machinery.holds`)."""
@@ -128,10 +132,13 @@ class ClaimSession:
         self.effect = True
 
     def emit(self, name: EventName, status: int | None = None) -> None:
-        """Tell the observer about a step; an observer that raises is logged and ignored."""
+        """Tell the observer about a step (one that raises is logged and ignored), and the key's history."""
         observer = self.rt.observer
         if observer is not None:
             _notify(observer, name, self.terms, self.rkey, status)
+        trail = self.rt.trail
+        if trail is not None and self.rkey is not None:
+            trail.event(self.rkey, name, self.token, status, self.terms.ttl)
 
     # -- claim, wait, decide ----------------------------------------------------------------------
 
@@ -176,7 +183,7 @@ class ClaimSession:
                 self.emit("conflict")
                 return Action.IN_PROGRESS, result
             else:
-                if action is not Action.RUN or self.rt.observer is not None:
+                if action is not Action.RUN or self.rt.told:
                     self.emit(_EVENT_OF[action])
                 return action, result
 
@@ -283,6 +290,9 @@ class ClaimSession:
         self.token = token
         self._active = True
         self.rt.leases.hold(self)
+        trail = self.rt.trail
+        if trail is not None and self.rkey is not None:
+            trail.note(self.rkey, "claimed", token, None, self.terms.ttl)
 
     def stop(self) -> None:
         """The outcome is final or abandoned: stop renewing; later work is not part of the claim."""
@@ -320,7 +330,7 @@ class ClaimSession:
             return "late" if self._retried(late) else "dropped"
         if stored:
             self.ended(answer)
-            if self.rt.observer is not None:
+            if self.rt.told:
                 self.emit("completed", status)
             return "stored"
         self.ended(None)
@@ -364,10 +374,18 @@ class ClaimSession:
 
     def _emitter(self, status: int | None) -> Callable[[EventName], None]:
         """`emit` for a write made later (idem_asgi.claims.late_writes), with this claim's key and status."""
-        observer, terms, rkey = self.rt.observer, self.terms, self.rkey
-        if observer is None:
-            return _ignored
-        return lambda name: _notify(observer, name, terms, rkey, status)
+        observer, trail, terms, rkey, token = self.rt.observer, self.rt.trail, self.terms, self.rkey, self.token
+        if trail is None or rkey is None:
+            if observer is None:
+                return _ignored
+            return lambda name: _notify(observer, name, terms, rkey, status)
+
+        def emit(name: EventName) -> None:
+            if observer is not None:
+                _notify(observer, name, terms, rkey, status)
+            trail.event(rkey, name, token, status, terms.ttl)
+
+        return emit
 
     def _retried(self, started: bool) -> bool:
         """Log a write the retrier refused (its memory bound is reached): the key is left to its lease."""

@@ -113,12 +113,12 @@ class Protected(ClaimSession):
             if action is RUN:
                 assert isinstance(result, Claimed)
                 if self.rt.observer is not None:
-                    self.emit("claimed")
+                    self.emit("claimed")  # (the key's history notes it in `begin`, with its token)
                 await self._run(result.token)
                 return
             if action is REPLAY:
                 assert isinstance(result, Existing) and result.record.response is not None
-                if self.rt.observer is not None:
+                if self.rt.told:
                     self.emit("replayed")
                 stored = result.record.response
                 await self._replay(self._opened(stored) if stored.sealed else stored, result.record.expires_at)

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 
-from ..backends import Backend, KeyForms, backend_class
-from ..errors import ConfigurationError, InvalidScope
-from ..http.keys import ANONYMOUS_SCOPE, stored_scope
+from ..backends import Backend, Histories, KeyForms, backend_class
+from ..errors import ConfigurationError
 from ..records import RecordKey
 from .cli_io import ENV_URL, emit, maintained, open_store, store_url
 from .cli_load import load_hook, load_transform
@@ -27,25 +25,15 @@ from .cli_output import (
     report_doc,
     report_lines,
     stale_doc,
+    step_doc,
+    step_line,
     text,
 )
 from .cli_resolve import run_resolve
 from .reconcile import reconcile
+from .resolving import record_key
 
 # --- commands --------------------------------------------------------------------------------
-
-
-_DIGEST_SCOPE = re.compile(r"~h [0-9a-f]{64}")
-
-
-def _stored_scope(scope: str | None) -> str | None:
-    """The scope as records keep it: a stored form as listed by `stale` is taken as it is."""
-    if scope is None or scope == ANONYMOUS_SCOPE or _DIGEST_SCOPE.fullmatch(scope):
-        return scope
-    try:
-        return stored_scope(scope)
-    except InvalidScope as exc:
-        raise ConfigurationError(f"invalid --scope: {exc}") from None
 
 
 def _utf8(value: str, what: str) -> str:
@@ -66,7 +54,7 @@ def _not_negative(seconds: float, what: str) -> float:
 def _record_key(args: argparse.Namespace) -> RecordKey:
     """The record `--namespace`, `--scope` and the key name (`inspect`, `resolve`)."""
     scope = None if args.scope is None else _utf8(args.scope, "--scope")
-    return RecordKey.build(_utf8(args.namespace, "--namespace"), _stored_scope(scope), _utf8(args.key, "the key"))
+    return record_key(_utf8(args.namespace, "--namespace"), scope, _utf8(args.key, "the key"), scope_is="--scope")
 
 
 async def _resolve(args: argparse.Namespace) -> int:
@@ -79,12 +67,19 @@ async def _inspect(args: argparse.Namespace) -> int:
         record = await backend.get(key)
         if record is None and args.store_keys is None and type(backend).__name__ == "PostgresBackend":
             # Not told which form the app writes: a row kept raw (`store_keys=True`, 0.1.0) too.
-            record = await backend.get(msgspec.structs.replace(key, stored_raw=True))
+            raw = msgspec.structs.replace(key, stored_raw=True)
+            record = await backend.get(raw)
+            key = raw if record is not None else key
+        steps = await backend.read_history(key) if isinstance(backend, Histories) else []
+    history = [step_line(step) for step in steps]
+    if history:
+        history.insert(0, f"history   {len(steps)} step(s), oldest first")
     if record is None:
         missing = f"no record for {label(key.namespace, key.scope, key.key)}" + (
             "" if key.scope else " (a scoped key is found only with its --scope)"
         )
-        emit(args, {**key_doc(key), "found": False}, lambda: [missing])
+        doc = {**key_doc(key), "found": False, "history": [step_doc(s) for s in steps]}
+        emit(args, doc, lambda: [missing, *history])
         return 1
 
     def lines() -> list[str]:
@@ -111,9 +106,9 @@ async def _inspect(args: argparse.Namespace) -> int:
             note += ", sealed (the app's transform opens it)" if r.sealed else ""
             out.append(f"response  {r.status}, {len(r.headers)} headers, {len(r.body)} bytes, {note}")
             out.extend(f"  {text(n)}: {text(v)}" for n, v in r.headers)
-        return out
+        return out + history
 
-    emit(args, record_doc(key, record), lines)
+    emit(args, {**record_doc(key, record), "history": [step_doc(s) for s in steps]}, lines)
     return 0
 
 

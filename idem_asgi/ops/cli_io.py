@@ -14,13 +14,10 @@ from typing import Any, Final
 from ..backends import Backend, Maintenance, backend_class
 from ..errors import BackendUnavailable, ConfigurationError
 from .reconcile import ReconcilableBackend
+from .resolving import OLDER_THAN as OLDER_THAN
 
 ENV_URL = "IDEM_BACKEND_URL"
 PROG = "idem-asgi"
-OLDER_THAN = 60.0
-"""Seconds a lease must have been over before `stale`, `reconcile` and `resolve` take it for stuck:
-a live holder that stalled past its lease (a store stall) renews within that, so none is mistaken
-for a dead one. The library's own `reconcile()` gives the same advice: well over the lease."""
 
 
 # --- the store -------------------------------------------------------------------------------

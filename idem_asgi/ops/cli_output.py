@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+from ..history import Step
 from ..records import Record, RecordKey, StaleRecord, StoredResponse
 from ..sealed_keys import ENV_SECRET
 from .reconcile import ReconcileItem, ReconcileReport
@@ -47,6 +48,27 @@ def record_doc(key: RecordKey, record: Record) -> dict[str, Any]:
         "holder_failed": record.holder_failed,
         "ttl": record.ttl,
     }
+
+
+def step_doc(step: Step) -> dict[str, Any]:
+    return {
+        "at": iso(step.at),
+        "what": step.what,
+        "by": step.by,
+        "token": step.token,
+        "status": step.status,
+        "n": step.n,
+        "note": step.note,
+    }
+
+
+def step_line(step: Step) -> str:
+    """One step as `inspect` prints it: when, what (and how often), status, token, by whom."""
+    what = step.what + (f" x{step.n}" if step.n > 1 else "")
+    more = [f"status {step.status}"] if step.status is not None else []
+    more += [f"token {step.token}..."] if step.token else []
+    more += [step.note] if step.note and step.note != step.what else []
+    return f"  {iso(step.at)}  {what:<16} {', '.join(more):<36} {step.by}".rstrip()
 
 
 def stale_doc(s: StaleRecord) -> dict[str, Any]:

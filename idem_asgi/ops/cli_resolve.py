@@ -5,27 +5,27 @@
         --header 'content-type: application/json' --body-file charge.json
     idem-asgi resolve job-42 --namespace jobs:charge --token 8812... --result '{"id": "ch_1"}'
 
-The write goes through the one recovery algorithm (`claims.recovery.resolve`), fenced by the token
-the operator read with `inspect` or `stale`: a claim that is still live (its lease not over by the
-store's clock), renewed, completed or taken over since is left alone, and said so.
+The write is `ops.resolving.resolve_key`, the admin app's too: through the one recovery algorithm,
+fenced by the token the operator read with `inspect` or `stale`; a claim that is still live,
+renewed, completed or taken over since is left alone, and said so. The key's history (where the
+store keeps one) gets a step naming the operator (`user@host via idem-asgi resolve`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 from typing import Any
 
-from ..claims.recovery import Outcome, resolve
-from ..claims.surfaces import check_answer, surface_of
-from ..errors import ConfigurationError, WrongAnswer
-from ..records import IN_PROGRESS, Record, RecordKey, StoredResponse
-from ..transform import seal
+from ..claims.recovery import Outcome
+from ..errors import ConfigurationError
+from ..history import operator
+from ..records import RecordKey, StoredResponse
 from .cli_io import emit, open_store
 from .cli_load import load_transform
-from .cli_output import iso, key_doc, label
+from .cli_output import key_doc, label
+from .resolving import resolve_key
 
 NOT_DONE = 1
 """Exit status when nothing was written: no record, not stuck, or changed since it was read."""
@@ -76,61 +76,30 @@ def _outcome(args: argparse.Namespace) -> Outcome:
     return StoredResponse(args.status, headers, body)
 
 
-def _why_not(record: Record | None, token: int, now: float, older_than: float) -> str | None:
-    """Why this record is not the stuck claim the operator means (None: it is)."""
-    if record is None:
-        return None
-    if record.state != IN_PROGRESS:
-        return "it is completed already: there is nothing to resolve (inspect shows its answer)"
-    if record.token != token:
-        return f"its token is {record.token} now, not {token}: it changed since you read it (inspect it again)"
-    if record.lease_until > now:
-        return f"its lease runs until {iso(record.lease_until)}: its holder is live; wait for the lease, then retry"
-    if record.lease_until > now - older_than:
-        return (
-            f"its lease ended {now - record.lease_until:.0f} s ago, less than --older-than {older_than:g}: "
-            "a live holder stalled past its lease may still renew; wait, or pass --older-than 0"
-        )
-    return None
-
-
 async def run_resolve(args: argparse.Namespace, key: RecordKey) -> int:
     outcome = _outcome(args)
     transform = load_transform(args.transform)
     where = label(key.namespace, key.scope, key.key)
     async with open_store(args) as backend:
-        record = await backend.get(key)
-        if record is None:
-            scope = "" if key.scope else " (a scoped key needs --scope)"
-            why = f"no record for {where}{scope}: expired, released, or never claimed"
-            emit(args, {**key_doc(key), "resolved": False, "why": why}, lambda: [why])
-            return NOT_DONE
-        refused = _why_not(record, args.token, time.time(), args.older_than)
-        if refused is not None:
-            emit(args, {**key_doc(key), "resolved": False, "why": refused}, lambda: [f"{where}: {refused}"])
-            return NOT_DONE
-        doing = f"store a {outcome.status} answer" if isinstance(outcome, StoredResponse) else "release it"
-        if isinstance(outcome, StoredResponse):
-            outcome = seal(transform, outcome)  # marked, so the app opens it with its own transform
-            try:
-                check_answer(key, record, outcome)
-            except WrongAnswer as exc:
-                raise ConfigurationError(str(exc)) from None
-        if args.dry_run:
-            said = f"{where}: {surface_of(record.fingerprint)} claim, token {record.token}: would {doing} (dry run)"
-            emit(args, {**key_doc(key), "resolved": False, "dry_run": True, "would": doing}, lambda: [said])
-            return 0
-        ttl = args.ttl if args.ttl is not None else (record.ttl or args.lease)
-        verdict, _ = await resolve(backend, key, record, outcome, lease=args.lease, ttl=ttl)
-    done = verdict in ("completed", "released")
-    said = {
-        "completed": f"stored the {getattr(outcome, 'status', '')} answer: retries replay it",
-        "released": "released: the next retry runs it",
-        "gone": "gone since it was read (released, completed or expired)",
-        "changed": "changed since it was read (renewed, completed or taken over): nothing written",
-        "refused": "taken over, but the write was refused: inspect it again",
-        "committed": "its effect committed (transaction()): it is never released; store its answer instead",
-    }.get(verdict, verdict)
-    doc: dict[str, Any] = {**key_doc(key), "resolved": done, "verdict": verdict}
-    emit(args, doc, lambda: [f"{where}: {said}"])
-    return 0 if done else NOT_DONE
+        done = await resolve_key(
+            backend,
+            key,
+            args.token,
+            outcome,
+            by=operator("idem-asgi resolve"),
+            older_than=args.older_than,
+            lease=args.lease,
+            ttl=args.ttl,
+            transform=transform,
+            dry_run=args.dry_run,
+        )
+    doc: dict[str, Any] = {**key_doc(key), "resolved": done.done}
+    if done.dry_run:
+        emit(args, {**doc, "dry_run": True, "would": done.would}, lambda: [f"{where}: {done.why}"])
+        return 0
+    if done.verdict in ("missing", "refused"):
+        said = done.why if done.verdict == "missing" else f"{where}: {done.why}"
+        emit(args, {**doc, "why": done.why}, lambda: [said])
+        return NOT_DONE
+    emit(args, {**doc, "verdict": done.verdict}, lambda: [f"{where}: {done.why}"])
+    return 0 if done.done else NOT_DONE

@@ -14,6 +14,7 @@ import asyncpg
 from ...errors import BackendMisconfigured, BackendUnavailable, ConfigurationError
 from .._base import RawKeyRecord
 from . import _keys
+from ._history import DDL as HISTORY_DDL
 from ._lean import LeanPool
 from ._pool import Runner, keep_session
 from ._pooler import probe, probe_dsn, try_a_transaction
@@ -27,6 +28,7 @@ class Setup(RawKeyRecord):
     _timeout: float
     _indexes: dict[str, str]
     _relations: list[str]
+    history_table: str
     _pool: Any
     _dsn: str | None
     _pool_options: dict[str, Any]
@@ -51,7 +53,9 @@ class Setup(RawKeyRecord):
     @property
     def ddl(self) -> str:
         """The schema as SQL text, for migration tools."""
-        return DDL.format(table=self.table, **self._indexes)
+        return DDL.format(table=self.table, **self._indexes) + HISTORY_DDL.format(
+            history=self.history_table, **self._indexes
+        )
 
     async def _get_pool(self) -> Any:
         if self._pool is not None:

@@ -19,6 +19,7 @@ import anyio
 import msgspec
 
 from ...errors import BackendError, ClaimLost, ConfigurationError, missing_extra
+from ...history import Step
 from ...records import Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
 from ...records import StaleRecord as StaleRecord  # re-exported: it was defined here before records.py
 from ...sealed_keys import KeySeal
@@ -34,6 +35,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 # After the check above: these need asyncpg.
 from ._effects import effect_transaction, live_claim
 from ._group import Args, Group
+from ._history import HistorySql, steps_of, write_args
 from ._keys import HASHED
 from ._lean import POOL_ONLY
 from ._notices import Notices, Watching, channel_of
@@ -65,6 +67,9 @@ class PostgresBackend(Watching, ClosingMixin):
         key_secret: Keep the scope and key sealed with this secret in `sealed_key` (comma-separated,
             newest first; default `$IDEM_ASGI_KEY_SECRET`), so `stale()` lists claims by key for
             the ops tools holding it while a dump shows none (`idem_asgi.sealed_keys`).
+        history: Keep the last `history` steps of each key's history (`idem_asgi.history`) in
+            `<table>_history`, written in the background (one statement per batch of keys) and
+            purged with the records; 0 (the default): requests write none.
     """
 
     def __init__(
@@ -75,7 +80,10 @@ class PostgresBackend(Watching, ClosingMixin):
         timeout: float = 5.0,
         store_keys: bool = False,
         key_secret: str | Sequence[str] | None = None,
+        history: int = 0,
     ) -> None:
+        if history < 0:
+            raise ConfigurationError(f"history must be 0 (none) or more steps, got {history!r}")
         parts = table.split(".")
         if len(parts) > 2 or not all(_IDENT.fullmatch(p) for p in parts):
             raise ConfigurationError(f"invalid table name {table!r}")
@@ -83,9 +91,11 @@ class PostgresBackend(Watching, ClosingMixin):
         self._indexes = {
             "expires_index": index_name(parts[-1], "expires_idx"),
             "inflight_index": index_name(parts[-1], "inflight_idx"),
+            "history_index": index_name(parts[-1], "history_idx"),
         }
         schema = f'"{parts[0]}".' if len(parts) == 2 else ""
-        self._relations = [self.table, *(schema + name for name in self._indexes.values())]
+        self.history_table = schema + index_name(parts[-1], "history")
+        self._relations = [self.table, self.history_table, *(schema + name for name in self._indexes.values())]
         self._timeout = timeout
         self.store_keys = store_keys
         self.key_seal = KeySeal.from_setting(key_secret)
@@ -100,6 +110,8 @@ class PostgresBackend(Watching, ClosingMixin):
         self._orphans = OrphanSweeper(self._abandon_claim)
         self._runner = Runner(timeout, self.table)
         self.sql = Statements(self.table)
+        self.history = history
+        self._history_sql = HistorySql(self.history_table)
         self._claims: Group[Any] = Group(self._claim_one, self._claim_many, token_at=4)
         self._completions: Group[bool] = Group(self._complete_one, self._complete_many, token_at=3)
         self._channel = channel_of(self.table)
@@ -122,6 +134,7 @@ class PostgresBackend(Watching, ClosingMixin):
         store_keys: bool = False,
         key_secret: str | Sequence[str] | None = None,
         implementation: Literal["lean", "asyncpg"] = "lean",
+        history: int = 0,
         **pool_options: Any,
     ) -> PostgresBackend:
         """A backend that creates (and owns) its pool on first use, and its table if missing.
@@ -153,7 +166,7 @@ class PostgresBackend(Watching, ClosingMixin):
             raise ConfigurationError(
                 f"{', '.join(pool_only)}: an option of asyncpg's pool; pass implementation='asyncpg' to use it"
             )
-        backend = cls(table=table, timeout=timeout, store_keys=store_keys, key_secret=key_secret)
+        backend = cls(table=table, timeout=timeout, store_keys=store_keys, key_secret=key_secret, history=history)
         backend._lean = implementation == "lean"
         backend._dsn = dsn
         backend._create_table = create_table
@@ -325,6 +338,16 @@ class PostgresBackend(Watching, ClosingMixin):
         if status != "UPDATE 1":
             raise ClaimLost(f"the claim on key {key.key!r} is no longer held; checkpoint not recorded")
 
+    async def write_history(self, batch: Sequence[tuple[RecordKey, float, Sequence[Step]]]) -> None:
+        """Append each key's steps to its row of `<table>_history`: one statement for the batch."""
+        pool = await self._get_pool()
+        await self._runner.run(pool, "execute", self._history_sql.write, *write_args(batch, self._id, self.history))
+
+    async def read_history(self, key: RecordKey) -> list[Step]:
+        """The key's steps, oldest first."""
+        pool = await self._get_pool()
+        return steps_of(await self._runner.run(pool, "fetchval", self._history_sql.read, *self._id(key)))
+
     async def get(self, key: RecordKey) -> Record | None:
         pool = await self._get_pool()
         row = await self._runner.run(pool, "fetchrow", self.sql.get, *self._id(key))
@@ -348,6 +371,12 @@ class PostgresBackend(Watching, ClosingMixin):
             total += deleted
             batches += 1
             if deleted < batch_size:
+                break
+        batches = 0  # and the histories past their expiry, by the same rule (not counted: not records)
+        while max_batches is None or batches < max_batches:
+            status = await self._runner.run(pool, "execute", self._history_sql.purge, batch_size)
+            batches += 1
+            if int(status.rpartition(" ")[2]) < batch_size:
                 break
         return total
 

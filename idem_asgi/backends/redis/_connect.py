@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - hiredis missing: redis-py serves every
 
 Implementation = Literal["auto", "lean", "redis-py"]
 IMPLEMENTATIONS: Final = ("auto", "lean", "redis-py")
-_DURABLE: Final = ("durable_replicas", "durable_timeout", "store_keys", "key_secret")
+_DURABLE: Final = ("durable_replicas", "durable_timeout", "store_keys", "key_secret", "history")
 
 
 def lean_pool(
@@ -67,7 +67,7 @@ class Opened:
 
     client: Any
     backend_options: dict[str, Any]
-    """`durable_replicas`, `durable_timeout`, `store_keys`, `key_secret` (and `max_concurrency`
+    """`durable_replicas`, `durable_timeout`, `store_keys`, `key_secret`, `history` (and `max_concurrency`
     where pools raise when full)."""
     lean: RespPool | None = None
     sentinel: Any = field(default=None)

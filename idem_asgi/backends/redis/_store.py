@@ -105,6 +105,9 @@ class RedisBackend(Tools, ClosingMixin):
             the lean pool where the client allows it (above), redis-py otherwise; `"lean"`: the
             lean pool, and `ConfigurationError` for a client it cannot serve (or without
             hiredis); `"redis-py"`: the client itself, always.
+        history: Keep the last `history` steps of each key's history (`idem_asgi.history`) in a
+            list beside its record, written in the background (one pipelined round trip per
+            batch of keys); 0 (the default): requests write none.
     """
 
     def __init__(
@@ -119,15 +122,19 @@ class RedisBackend(Tools, ClosingMixin):
         store_keys: bool = False,
         key_secret: str | Sequence[str] | None = None,
         implementation: Implementation = "auto",
+        history: int = 0,
         _owned: bool = False,
         _lean: RespPool | None = None,
     ) -> None:
         refuse_decoding(client)
         if max_concurrency is not None and max_concurrency < 1:
             raise ConfigurationError(f"max_concurrency must be at least 1, got {max_concurrency!r}")
+        if history < 0:
+            raise ConfigurationError(f"history must be 0 (none) or more steps, got {history!r}")
         self.client = client
         self.prefix = prefix
         self.timeout = timeout
+        self.history = history
         self._owned = _owned
         self._durable_ms = durable_ms(durable_replicas, durable_timeout, timeout)
         self.durable_replicas = durable_replicas

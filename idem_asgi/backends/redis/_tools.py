@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from types import ModuleType
 from typing import Any, ClassVar
 
 from ...errors import BackendUnavailable
-from ...records import StaleRecord
+from ...history import Step
+from ...records import RecordKey, StaleRecord
 from ...sealed_keys import KeySeal
 from .._base import RawKeyRecord
-from . import _keys
+from . import _history, _keys
 from ._errors import DRIVER_ERRORS
 from ._stale import scan_stale
 
@@ -36,6 +37,7 @@ class Tools(RawKeyRecord):
     _starting: bool
     _start_lock: asyncio.Lock
     _slots: asyncio.Semaphore | None
+    history: int
 
     async def _start(self) -> None:
         async with self._start_lock:
@@ -72,6 +74,14 @@ class Tools(RawKeyRecord):
                 await self._start()
             async with self._slot():
                 yield
+
+    async def write_history(self, batch: Sequence[tuple[RecordKey, float, Sequence[Step]]]) -> None:
+        """Append each key's steps to its list (`_history`): one pipelined round trip for the batch."""
+        await _history.write(self, self.history, batch)
+
+    async def read_history(self, key: RecordKey) -> list[Step]:
+        """The key's steps, oldest first."""
+        return await _history.read(self, key)
 
     async def ping(self) -> None:
         """One round trip on the tools' client (which finds a Sentinel's primary or a Cluster's slots

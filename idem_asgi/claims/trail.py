@@ -1,0 +1,103 @@
+"""The history writer of one store in this process: steps queued, written in the background.
+
+A session's step (`note`) is a dict lookup and an append: no await, no store call. The first step
+queued starts one flush task; while a flush is on the wire the next steps queue behind it and go
+as the next batch (one store round trip per batch, however many keys). Repeats of one kind in a
+row on one key (replays, refusals, renewals) count into one step. Bounded: past `MAX_KEYS` keys
+waiting, steps are dropped and counted (`dropped`); a batch the store fails is dropped and logged
+once a minute. Closing the store writes what is queued first (`drain`, bounded by `DRAIN`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING, Final
+
+from .._logging import throttled
+from ..history import Step, counted_into, this_process, token_prefix
+
+if TYPE_CHECKING:
+    from ..backends._protocol import Histories
+    from ..records import RecordKey
+
+MAX_KEYS: Final = 10_000
+"""Keys with steps waiting to be written, at most; more are dropped (counted in `dropped`)."""
+DRAIN: Final = 5.0
+"""Seconds `drain` (the store closing) waits for the last batch."""
+
+_STEP_OF: Final[dict[str, str]] = {
+    "lease_extended": "renewed",
+    "unresolved": "kept",
+}
+_SKIPPED: Final = frozenset({"claimed", "store_error", "rejected"})
+"""Not steps: `claimed` is noted with its token when the work begins; the rest touch no record."""
+
+
+class Trail:
+    """Queues steps per key and writes them to `store` in background batches."""
+
+    __slots__ = ("_flushing", "dropped", "failed", "pending", "store", "written")
+
+    def __init__(self, store: Histories) -> None:
+        self.store = store
+        self.pending: dict[str, tuple[RecordKey, float, list[Step]]] = {}
+        self._flushing: asyncio.Task[None] | None = None
+        self.written = 0  # steps the store took
+        self.dropped = 0  # steps dropped: too many keys waiting
+        self.failed = 0  # steps the store failed to take
+
+    def event(self, key: RecordKey, name: str, token: int, status: int | None, ttl: float) -> None:
+        """A session's event, as a step of its key's history (or nothing: see `_SKIPPED`)."""
+        if name not in _SKIPPED:
+            self.note(key, _STEP_OF.get(name, name), token, status, ttl)
+
+    def note(self, key: RecordKey, what: str, token: int, status: int | None, ttl: float) -> None:
+        """Queue one step for `key` (kept `ttl` seconds at least); no await, no store call."""
+        waiting = self.pending.get(key.digest)
+        if waiting is None:
+            if len(self.pending) >= MAX_KEYS:
+                self.dropped += 1
+                return
+            waiting = self.pending[key.digest] = (key, ttl, [])
+        steps = waiting[2]
+        step = Step(time.time(), what, token=token_prefix(token), status=status)
+        if steps and counted_into(steps[-1], step):
+            return
+        steps.append(step)
+        if self._flushing is None:
+            # (no running loop: a synchronous caller; the next step's flush takes it)
+            with contextlib.suppress(RuntimeError):
+                self._flushing = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        try:
+            while self.pending:
+                batch, self.pending = self.pending, {}
+                by = this_process()
+                count = 0
+                for _, _, steps in batch.values():
+                    for step in steps:
+                        step.by = step.by or by
+                    count += len(steps)
+                try:
+                    await self.store.write_history(list(batch.values()))
+                except Exception as exc:
+                    self.failed += count
+                    throttled(logging.WARNING, f"idem_asgi: key histories not written (the store failed: {exc!r})")
+                else:
+                    self.written += count
+        finally:
+            self._flushing = None
+
+    async def drain(self) -> None:
+        """Write what is queued (the store is closing), waiting at most `DRAIN` seconds."""
+        if self.pending and self._flushing is None:
+            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+        task = self._flushing
+        if task is not None:
+            # Timed out or failed: what was queued is lost, as it would be in a crash.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(task), DRAIN)
