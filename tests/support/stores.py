@@ -54,17 +54,19 @@ def store_from_url(
     pool: int | None = None,
     store_keys: bool = False,
     timeout: float | None = None,
+    history: int = 0,
 ) -> Backend:
     """A store for `url` (`memory://`, `redis://`, `postgresql://`), not set up yet.
 
     `prefix` is the Redis key prefix, `table` the Postgres table; `pool` bounds the connections
     (unset: the driver's default for Redis, 20 for Postgres); `store_keys` keeps raw keys (for
     tests whose resolvers or listings need them; the default keeps digests, as the product does);
-    `timeout` the store's call timeout (unset: its default).
+    `timeout` the store's call timeout (unset: its default); `history` the steps kept per key (0: none).
     """
     if url.startswith("memory://"):
-        return MemoryBackend()
-    options: dict[str, Any] = {"store_keys": store_keys} | ({} if timeout is None else {"timeout": timeout})
+        return MemoryBackend(history=history)
+    options: dict[str, Any] = {"store_keys": store_keys, "history": history}
+    options |= {} if timeout is None else {"timeout": timeout}
     if url.startswith(("postgres://", "postgresql://")):
         from idem_asgi.backends.postgres import PostgresBackend
 
@@ -84,6 +86,7 @@ async def make_backend(
     table: str = ...,
     pool: int | None = ...,
     store_keys: bool = ...,
+    history: int = ...,
 ) -> MemoryBackend: ...
 @overload
 async def make_backend(
@@ -93,6 +96,7 @@ async def make_backend(
     table: str = ...,
     pool: int | None = ...,
     store_keys: bool = ...,
+    history: int = ...,
 ) -> RedisBackend: ...
 @overload
 async def make_backend(
@@ -102,6 +106,7 @@ async def make_backend(
     table: str = ...,
     pool: int | None = ...,
     store_keys: bool = ...,
+    history: int = ...,
 ) -> PostgresBackend: ...
 @overload
 async def make_backend(
@@ -114,11 +119,15 @@ async def make_backend(
     table: str = TEST_TABLE,
     pool: int | None = None,
     store_keys: bool = False,
+    history: int = 0,
 ) -> Any:
     """A fresh, isolated backend of the named kind: its own key prefix (`idem-test:<uuid>:` unless
-    given) on Redis, the table set up on Postgres. Skips (fails under CI) when the server is missing."""
+    given) on Redis, the table set up on Postgres; `history` steps kept per key (0: none). Skips
+    (fails under CI) when the server is missing."""
     prefix = prefix or f"idem-test:{uuid.uuid4().hex}:"
-    store = store_from_url(store_url(name), prefix=prefix, table=table, pool=pool, store_keys=store_keys)
+    store = store_from_url(
+        store_url(name), prefix=prefix, table=table, pool=pool, store_keys=store_keys, history=history
+    )
     if name == "postgres":
         from idem_asgi.backends.postgres import PostgresBackend
 
