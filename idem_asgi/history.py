@@ -18,9 +18,12 @@ import getpass
 import os
 import socket
 from collections.abc import Sequence
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import msgspec
+
+if TYPE_CHECKING:
+    from .records import Record
 
 KEEP: Final = 32
 """Steps kept per key when an operator writes one to a store built without `history`."""
@@ -75,6 +78,25 @@ def counted_into(last: Step, step: Step) -> bool:
         last.n += step.n
         return True
     return False
+
+
+def lost_claim(steps: Sequence[Step], record: Record | None) -> Step | None:
+    """The `claimed` step of the record's running claim when the history lacks it (else None): a
+    holder killed in the first milliseconds of its work dies before its step is written, and the
+    record still knows its token and (from its expiry and TTL) when it claimed."""
+    if record is None or record.state != "in_progress" or not record.token:
+        return None
+    prefix = token_prefix(record.token)
+    if any(s.what == "claimed" and s.token == prefix for s in steps):
+        return None
+    at = record.expires_at - record.ttl if record.ttl else record.lease_until
+    return Step(at, "claimed", token=prefix, note="read from the record: its holder stopped before writing this step")
+
+
+def with_claim(steps: list[Step], record: Record | None) -> list[Step]:
+    """`steps` in time order, with the running claim's lost step (`lost_claim`) at its place."""
+    lost = lost_claim(steps, record)
+    return sorted(steps if lost is None else [*steps, lost], key=lambda s: s.at)
 
 
 def token_prefix(token: int) -> str:

@@ -274,9 +274,10 @@ class CrashGate:
         return crashing_send
 
 
-def make_store(url: str, *, namespace: str, table: str, pool: int) -> Backend:
-    """The store at `url`, Redis keys under `idem-rel:<namespace>:` (where `cleanup_store` finds them)."""
-    return store_from_url(url, prefix=f"idem-rel:{namespace}:", table=table, pool=pool)
+def make_store(url: str, *, namespace: str, table: str, pool: int, history: int = 0) -> Backend:
+    """The store at `url`, Redis keys under `idem-rel:<namespace>:` (where `cleanup_store` finds them);
+    `history` steps kept per key (`IDEM_CRASH_HISTORY`)."""
+    return store_from_url(url, prefix=f"idem-rel:{namespace}:", table=table, pool=pool, history=history)
 
 
 def build(
@@ -330,6 +331,7 @@ class _LazyApp:
                     namespace=namespace,
                     table=env.get("IDEM_CRASH_TABLE", "idem_reliability_records"),
                     pool=pool,
+                    history=int(env.get("IDEM_CRASH_HISTORY", "0")),
                 )
                 ledger_url = env.get("IDEM_CRASH_LEDGER", "redis://127.0.0.1:6379/0")
                 self.ledger = ledger_from_url(ledger_url, env["IDEM_CRASH_RUN"], pool=pool)

@@ -11,7 +11,8 @@ without one, and asks it on every request):
 It serves a small HTML page (`GET /`) and the JSON API the page uses:
 
 - `GET /api/stuck?older_than=60&namespace=idem`: in-progress claims whose lease ended that long ago;
-- `GET /api/key?key=K&scope=S&namespace=idem`: one record, with its history;
+- `GET /api/key?key=K&scope=S&namespace=idem` (or `digest=` for a claim listed by its digest): one
+  record, with its history;
   (tokens are strings in this API: 62 bits is more than a JavaScript number holds exactly)
 - `POST /api/resolve` (JSON: key, scope, namespace, token, and `release: true`, an `answer`
   {status, headers, body} or a job's `result`; `older_than`, `dry_run`): the same fenced operation
@@ -31,6 +32,7 @@ import binascii
 import hmac
 import json
 import logging
+import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -42,10 +44,11 @@ from .._types import Receive, Scope, Send
 from ..backends import Backend, Histories, Maintenance
 from ..claims.recovery import Outcome
 from ..errors import BackendError, ConfigurationError
+from ..history import with_claim
 from ..observe import Event, Observer
 from ..ops.cli_output import key_doc, record_doc, stale_doc, step_doc
 from ..ops.resolving import OLDER_THAN, record_key, resolve_key
-from ..records import StoredResponse
+from ..records import RecordKey, StoredResponse
 from ._page import page
 
 Action: TypeAlias = Literal["read", "resolve"]
@@ -174,9 +177,11 @@ class AdminApp:
 
     async def _key(self, scope: Scope, send: Send) -> None:
         query = _query(scope)
-        key = record_key(query.get("namespace") or self.namespace, query.get("scope") or None, _required(query, "key"))
+        key = _key_of(
+            query.get("namespace") or self.namespace, query.get("scope"), query.get("key"), query.get("digest")
+        )
         record = await self.backend.get(key)
-        steps = await self.backend.read_history(key) if isinstance(self.backend, Histories) else []
+        steps = with_claim(await self.backend.read_history(key), record) if isinstance(self.backend, Histories) else []
         doc = record_doc(key, record) if record is not None else {**key_doc(key), "found": False}
         if record is not None:
             doc["token"] = str(record.token)  # 62 bits: more than a JavaScript number holds exactly
@@ -189,10 +194,11 @@ class AdminApp:
         if ctype != b"application/json":
             raise _Refused(415, "Unsupported Media Type", "send the resolution as application/json")
         ask = await _body_json(receive)
-        key = record_key(
+        key = _key_of(
             _text(ask.get("namespace") or self.namespace, "namespace"),
-            _text(ask.get("scope"), "scope") or None,
-            _text(ask.get("key"), "key", required=True),
+            _text(ask.get("scope"), "scope"),
+            _text(ask.get("key"), "key"),
+            _text(ask.get("digest"), "digest"),
         )
         token = ask.get("token")
         if isinstance(token, str) and token.isdigit():
@@ -233,6 +239,21 @@ _ROUTES: dict[str, tuple[tuple[str, ...], Action]] = {
 class _Refused(Exception):
     def __init__(self, status: int, title: str, detail: str) -> None:
         self.status, self.title, self.detail = status, title, detail
+
+
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+def _key_of(namespace: str, scope: str | None, key: str | None, digest: str | None) -> RecordKey:
+    """The record asked for: by its key (and scope), or by its digest alone, as `stale` lists a claim
+    whose store keeps no raw key (no `IDEM_ASGI_KEY_SECRET` to unseal it with)."""
+    if key and key != "?":
+        return record_key(namespace, scope or None, key)
+    if digest:
+        if not _DIGEST.fullmatch(digest):
+            raise ConfigurationError("digest: the record's 64 hex digits, as the list of stuck claims shows it")
+        return RecordKey.hashed(namespace, digest)
+    raise ConfigurationError("key is required (or the record's digest)")
 
 
 def _outcome(ask: dict[str, Any]) -> Outcome:

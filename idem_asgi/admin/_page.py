@@ -86,6 +86,7 @@ dt {{ color: #4a5360; }}
 const base = document.body.dataset.base;
 const $ = (id) => document.getElementById(id);
 let current = null;
+let byDigest = "";  // a claim listed by its digest: its store keeps no raw key
 
 function say(id, text, kind) {{
   const p = $(id);
@@ -116,11 +117,18 @@ async function listStuck() {{
   if (status !== 200) return say("stuck-said", doc.detail || doc.title, "bad");
   for (const c of doc.claims) {{
     const row = body.insertRow();
-    cell(row, c.key, true); cell(row, c.scope || "-", true); cell(row, c.token, true);
+    const hidden = c.key === "?";
+    cell(row, hidden ? "sha256:" + c.digest.slice(0, 16) : c.key, true);
+    cell(row, hidden ? "?" : (c.scope || "-"), true); cell(row, c.token, true);
     cell(row, c.lease_until, true); cell(row, c.checkpoint);
     const open = document.createElement("button");
     open.className = "quiet"; open.textContent = "Inspect";
-    open.addEventListener("click", () => {{ $("key").value = c.key; $("scope").value = c.scope; inspect(); }});
+    open.addEventListener("click", () => {{
+      byDigest = hidden ? c.digest : "";
+      $("key").value = hidden ? "" : c.key;
+      $("scope").value = hidden ? "" : c.scope;
+      inspect();
+    }});
     row.insertCell().append(open);
   }}
   say("stuck-said", doc.claims.length + " stuck claim(s) in " + doc.namespace +
@@ -129,6 +137,7 @@ async function listStuck() {{
 
 async function inspect() {{
   const query = new URLSearchParams({{namespace: $("ns").value, key: $("key").value, scope: $("scope").value}});
+  if (byDigest && !$("key").value) query.set("digest", byDigest);
   const [status, doc] = await api("/api/key?" + query);
   $("resolve-box").hidden = true;
   if (status !== 200) {{ $("record").hidden = true; return say("key-said", doc.detail || doc.title, "bad"); }}
@@ -176,7 +185,8 @@ function toggle() {{
 
 async function resolve(dryRun) {{
   if (!current) return;
-  const ask = {{key: current.key, scope: current.scope, namespace: current.namespace, token: String(current.token),
+  const ask = {{key: current.key, scope: current.scope, digest: current.digest, namespace: current.namespace,
+    token: String(current.token),
     older_than: $("older").value, dry_run: dryRun}};
   const what = chosen();
   if (what === "release") ask.release = true;
@@ -192,13 +202,14 @@ async function resolve(dryRun) {{
   const text = doc.said || doc.detail || doc.title;
   say("resolve-said", text, doc.resolved ? "good" : (status === 200 ? "" : "bad"));
   if (doc.resolved) {{
+    if ($("stuck").tBodies[0].rows.length) await listStuck();
     await inspect();
     say("key-said", "Resolved: " + text, "good");
   }}
 }}
 
 $("list").addEventListener("click", listStuck);
-$("look").addEventListener("click", inspect);
+$("look").addEventListener("click", () => {{ byDigest = ""; inspect(); }});
 $("resolve").addEventListener("click", () => resolve(false));
 $("dry").addEventListener("click", () => resolve(true));
 for (const radio of document.querySelectorAll("input[name=what]")) radio.addEventListener("change", toggle);

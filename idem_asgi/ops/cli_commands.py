@@ -12,6 +12,7 @@ import msgspec
 
 from ..backends import Backend, Histories, KeyForms, backend_class
 from ..errors import ConfigurationError
+from ..history import with_claim
 from ..records import RecordKey
 from .cli_io import ENV_URL, emit, maintained, open_store, store_url
 from .cli_load import load_hook, load_transform
@@ -70,7 +71,7 @@ async def _inspect(args: argparse.Namespace) -> int:
             raw = msgspec.structs.replace(key, stored_raw=True)
             record = await backend.get(raw)
             key = raw if record is not None else key
-        steps = await backend.read_history(key) if isinstance(backend, Histories) else []
+        steps = with_claim(await backend.read_history(key), record) if isinstance(backend, Histories) else []
     history = [step_line(step) for step in steps]
     if history:
         history.insert(0, f"history   {len(steps)} step(s), oldest first")

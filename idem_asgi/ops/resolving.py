@@ -9,6 +9,7 @@ was done, and by whom, is a step of the key's history where the store keeps one.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from ..backends._protocol import Histories
 from ..claims.recovery import Outcome, resolve
 from ..claims.surfaces import check_answer, surface_of
 from ..errors import ConfigurationError, InvalidScope, WrongAnswer
-from ..history import Step, token_prefix
+from ..history import Step, lost_claim, token_prefix
 from ..http.keys import ANONYMOUS_SCOPE, stored_scope
 from ..records import IN_PROGRESS, Record, RecordKey, StoredResponse
 from ..transform import AnswerTransform, seal
@@ -116,6 +117,10 @@ async def resolve_key(
     if dry_run:
         said = f"{surface_of(record.fingerprint)} claim, token {record.token}: would {doing} (dry run)"
         return Resolution(False, "dry_run", said, record, dry_run=True, would=doing)
+    lost = None  # the dead holder's `claimed` step, if it died before writing it: kept with the resolution
+    if isinstance(backend, Histories):
+        with contextlib.suppress(Exception):
+            lost = lost_claim(await backend.read_history(key), record)
     verdict, _ = await resolve(backend, key, record, outcome, lease=lease, ttl=ttl or record.ttl or lease)
     done = verdict in ("completed", "released")
     said = SAID.get(verdict, verdict)
@@ -133,7 +138,7 @@ async def resolve_key(
     ]
     if isinstance(backend, Histories):
         try:
-            await backend.write_history([(key, ttl or record.ttl or lease, steps)])
+            await backend.write_history([(key, ttl or record.ttl or lease, steps if lost is None else [lost, *steps])])
         except Exception:  # the resolution stands; its note in the history is lost, as in a crash
             steps = []
     return Resolution(done, verdict, said, record, steps=steps)

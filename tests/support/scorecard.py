@@ -370,6 +370,8 @@ async def cleanup_store(kind: str, namespace: str, table: str) -> None:
         conn = await asyncpg.connect(POSTGRES_DSN)
         try:
             await conn.execute(f"DELETE FROM {table} WHERE namespace = $1", namespace)
+            if await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", f"{table}_history"):
+                await conn.execute(f"DELETE FROM {table}_history WHERE namespace = $1", namespace)
         finally:
             await conn.close()
 
