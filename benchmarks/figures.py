@@ -7,6 +7,7 @@ or an older run contradicts. By hand:
 
     python -m benchmarks.figures            # rewrite the blocks from latest.json
     python -m benchmarks.figures --check    # exit 1 when a block differs from latest.json (a test runs it)
+    python -m benchmarks.figures --merge history out.jsonl  # one benchmark's figures, then the blocks
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def collect(out: Path, run: str, machine: str) -> dict[str, Any]:
         if row.get("kind") == "valgrind":
             instructions.setdefault(row["server"], {})[row["case"]] = row["instructions"]
     group = [{k: v for k, v in row.items() if k != "kind"} for row in _lines(out / "group-commit.jsonl")]
+    history = [{k: v for k, v in row.items() if k != "kind"} for row in _lines(out / "history.jsonl")]
     return {
         "run": run,
         "machine": machine,
@@ -70,6 +72,7 @@ def collect(out: Path, run: str, machine: str) -> dict[str, Any]:
         "io": ratios("overhead-io.jsonl"),
         "instructions": instructions,
         "group_commit": group,
+        "history": history,
     }
 
 
@@ -164,6 +167,26 @@ def _group_commit(data: dict[str, Any]) -> list[str]:
     return out
 
 
+def _history(data: dict[str, Any]) -> list[str]:
+    rows = data.get("history") or []
+    if not rows:
+        return []
+    out = [
+        f"Each key's history (`history=16` over `history=0`, same run, {rows[0]['run']}, middleware called in "
+        f"process, {rows[0]['inflight']} in flight; `python -m benchmarks.bench_history`):",
+        "",
+        "| store | CPU per new key, on over off | µs of CPU added per new key | floor: µs per new key, "
+        "history off | µs added per replay | history writes per 100 new keys |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {NAMES.get(r['store'], r['store'])} | x{r['new_key_cpu_ratio']:.2f} | {r['new_key_us_added']:.1f} "
+            f"| {r['floor_new_key_cpu_us']:.1f} | {r['replay_us_added']:.1f} | {r['writes_per_100_keys']:.1f} |"
+        )
+    return out
+
+
 def render(name: str, data: dict[str, Any]) -> str:
     """The text of block `name` (readme, standing) for `data`."""
     head = [
@@ -179,6 +202,8 @@ def render(name: str, data: dict[str, Any]) -> str:
     ]
     if name == "standing":
         head += ["", *_group_commit(data)]
+        history = _history(data)
+        head += ["", *history] if history else []
     return "\n".join(head) + "\n"
 
 
@@ -219,7 +244,18 @@ def drift() -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="exit 1 when a page's block differs from latest.json")
+    parser.add_argument(
+        "--merge",
+        nargs=2,
+        metavar=("NAME", "FILE"),
+        help="replace latest.json's NAME figures (history, group_commit) with one benchmark's summary FILE",
+    )
     args = parser.parse_args(argv)
+    if args.merge:
+        name, path = args.merge
+        data = json.loads(LATEST.read_text())
+        data[name] = [{k: v for k, v in row.items() if k != "kind"} for row in _lines(Path(path))]
+        LATEST.write_text(json.dumps(data, indent=1) + "\n")
     if args.check:
         stale = drift()
         for page in stale:

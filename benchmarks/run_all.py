@@ -115,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
             "Postgres group commit",
             ["benchmarks.bench_group_commit", "--rounds", "2", "--summary", str(OUT / "group-commit.jsonl")],
         ),
+        run(
+            "Each key's history: its cost per request",
+            ["benchmarks.bench_history", "--summary", str(OUT / "history.jsonl")],
+        ),
         run("Bytes per request and per record", ["benchmarks.bench_footprint"]),
         run("Message consumers (NATS JetStream)", ["benchmarks.bench_consumers"]),
         run("Message consumers' throughput beside a bare consumer (target 0.80)", ["benchmarks.bench_consumer_rate"]),

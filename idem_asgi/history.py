@@ -32,7 +32,7 @@ COUNTED: Final = frozenset({"renewed", "replayed", "conflict", "mismatch", "not_
 (in the queue and in the store), so a storm of repeats cannot push a key's claim out of its history."""
 
 
-class Step(msgspec.Struct, omit_defaults=True):
+class Step(msgspec.Struct, omit_defaults=True, gc=False):
     """One step of a key's history. Times are seconds since the epoch on the writer's clock."""
 
     at: float

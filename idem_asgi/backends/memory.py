@@ -382,7 +382,7 @@ class MemoryBackend(ClosingMixin):
             found = self._histories.get(key.digest)
             if found is None or found[1][0] <= self._clock():
                 return []
-            return list(found[0])
+            return [msgspec.structs.replace(step) for step in found[0]]  # copies: the kept ones stay the store's
 
     async def aclose(self) -> None:
         """Nothing to close but the writes still pending in this process (`on_close`)."""

@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING, Final
 
 from .._logging import throttled
-from ..history import Step, counted_into, this_process, token_prefix
+from ..history import COUNTED, Step, this_process, token_prefix
 
 if TYPE_CHECKING:
     from ..backends._protocol import Histories
@@ -39,12 +39,13 @@ _SKIPPED: Final = frozenset({"claimed", "store_error", "rejected"})
 class Trail:
     """Queues steps per key and writes them to `store` in background batches."""
 
-    __slots__ = ("_flushing", "dropped", "failed", "pending", "store", "written")
+    __slots__ = ("_flushing", "batches", "dropped", "failed", "pending", "store", "written")
 
     def __init__(self, store: Histories) -> None:
         self.store = store
         self.pending: dict[str, tuple[RecordKey, float, list[Step]]] = {}
         self._flushing: asyncio.Task[None] | None = None
+        self.batches = 0  # writes sent to the store (one round trip each)
         self.written = 0  # steps the store took
         self.dropped = 0  # steps dropped: too many keys waiting
         self.failed = 0  # steps the store failed to take
@@ -63,10 +64,13 @@ class Trail:
                 return
             waiting = self.pending[key.digest] = (key, ttl, [])
         steps = waiting[2]
-        step = Step(time.time(), what, token=token_prefix(token), status=status)
-        if steps and counted_into(steps[-1], step):
-            return
-        steps.append(step)
+        prefix = token_prefix(token) if token else ""
+        if steps and what in COUNTED:
+            last = steps[-1]
+            if last.what == what and last.token == prefix:
+                last.n += 1  # a repeat of the last step: counted, no step made
+                return
+        steps.append(Step(time.time(), what, token=prefix, status=status))
         if self._flushing is None:
             # (no running loop: a synchronous caller; the next step's flush takes it)
             with contextlib.suppress(RuntimeError):
@@ -82,6 +86,7 @@ class Trail:
                     for step in steps:
                         step.by = step.by or by
                     count += len(steps)
+                self.batches += 1
                 try:
                     await self.store.write_history(list(batch.values()))
                 except Exception as exc:

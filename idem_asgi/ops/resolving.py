@@ -133,7 +133,7 @@ async def resolve_key(
             by=by,
             token=token_prefix(token),
             status=outcome.status if isinstance(outcome, StoredResponse) else None,
-            note="released" if outcome == "release" and done else verdict,
+            note=verdict,
         )
     ]
     if isinstance(backend, Histories):

@@ -110,7 +110,13 @@ async def make_backend(
 ) -> PostgresBackend: ...
 @overload
 async def make_backend(
-    name: str, *, prefix: str | None = ..., table: str = ..., pool: int | None = ..., store_keys: bool = ...
+    name: str,
+    *,
+    prefix: str | None = ...,
+    table: str = ...,
+    pool: int | None = ...,
+    store_keys: bool = ...,
+    history: int = ...,
 ) -> Backend: ...
 async def make_backend(
     name: str,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -74,10 +74,6 @@ class Tools(RawKeyRecord):
                 await self._start()
             async with self._slot():
                 yield
-
-    async def write_history(self, batch: Sequence[tuple[RecordKey, float, Sequence[Step]]]) -> None:
-        """Append each key's steps to its list (`_history`): one pipelined round trip for the batch."""
-        await _history.write(self, self.history, batch)
 
     async def read_history(self, key: RecordKey) -> list[Step]:
         """The key's steps, oldest first."""
