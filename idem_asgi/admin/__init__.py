@@ -32,6 +32,7 @@ import binascii
 import hmac
 import json
 import logging
+import math
 import re
 import secrets
 import time
@@ -48,7 +49,7 @@ from ..history import with_claim
 from ..observe import Event, Observer
 from ..ops.cli_output import key_doc, record_doc, stale_doc, step_doc
 from ..ops.resolving import OLDER_THAN, record_key, resolve_key
-from ..records import RecordKey, StoredResponse
+from ..records import RecordKey, StaleRecord, StoredResponse
 from ._page import page
 
 Action: TypeAlias = Literal["read", "resolve"]
@@ -171,9 +172,7 @@ class AdminApp:
         older_than = _seconds(query.get("older_than"), self.older_than, "older_than")
         namespace = query.get("namespace") or self.namespace
         found = await self.backend.stale(older_than, 200, namespace=namespace)
-        await _json(
-            send, 200, {"older_than": older_than, "namespace": namespace, "claims": [stale_doc(s) for s in found]}
-        )
+        await _json(send, 200, {"older_than": older_than, "namespace": namespace, "claims": [_stale(s) for s in found]})
 
     async def _key(self, scope: Scope, send: Send) -> None:
         query = _query(scope)
@@ -201,7 +200,7 @@ class AdminApp:
             _text(ask.get("digest"), "digest"),
         )
         token = ask.get("token")
-        if isinstance(token, str) and token.isdigit():
+        if isinstance(token, str) and token.isascii() and token.isdigit():
             token = int(token)
         if not isinstance(token, int) or isinstance(token, bool):
             raise ConfigurationError("token: the claim's token as the key's record shows it (a number)")
@@ -213,7 +212,7 @@ class AdminApp:
             by=f"{operator} via the admin app",
             older_than=_seconds(ask.get("older_than"), self.older_than, "older_than"),
             lease=self.lease,
-            dry_run=bool(ask.get("dry_run")),
+            dry_run=_flag(ask.get("dry_run"), "dry_run"),
         )
         doc = {**key_doc(key), "resolved": done.done, "verdict": done.verdict, "said": done.why}
         if done.done:
@@ -228,6 +227,7 @@ class AdminApp:
         await _json(send, status, doc)
 
 
+_NOSNIFF = (b"x-content-type-options", b"nosniff")
 _ROUTES: dict[str, tuple[tuple[str, ...], Action]] = {
     "/": (("GET",), "read"),
     "/api/stuck": (("GET",), "read"),
@@ -273,8 +273,11 @@ def _outcome(ask: dict[str, Any]) -> Outcome:
     status = answer.get("status")
     if not isinstance(status, int) or isinstance(status, bool) or not 100 <= status <= 599:
         raise ConfigurationError("answer.status: an HTTP status (100-599)")
-    headers = []
-    for pair in answer.get("headers") or []:
+    headers: list[tuple[bytes, bytes]] = []
+    given = answer.get("headers") or []
+    if not isinstance(given, list):
+        raise ConfigurationError("answer.headers: a list of [name, value] strings")
+    for pair in given:
         if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(p, str) for p in pair)):
             raise ConfigurationError("answer.headers: a list of [name, value] strings")
         try:
@@ -298,17 +301,37 @@ def _text(value: object, what: str, *, required: bool = False) -> str:
         return ""
     if not isinstance(value, str):
         raise ConfigurationError(f"{what}: a string")
+    try:
+        value.encode("utf-8")  # JSON's \ud800 escapes make strings no store can keep
+    except UnicodeEncodeError:
+        raise ConfigurationError(f"{what}: not valid Unicode (a lone surrogate)") from None
     return value
+
+
+def _flag(value: object, what: str) -> bool:
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"{what}: true or false")
+    return value
+
+
+def _stale(s: StaleRecord) -> dict[str, Any]:
+    """A stuck claim as `stale --json` lists it, its token as a string (62 bits: more than a
+    JavaScript number holds exactly)."""
+    return {**stale_doc(s), "token": str(s.record.token)}
 
 
 def _seconds(value: object, default: float, what: str) -> float:
     if value is None or value == "":
         return default
     try:
+        if isinstance(value, bool):
+            raise TypeError
         seconds = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         raise ConfigurationError(f"{what}: a number of seconds") from None
-    if not seconds >= 0:
+    if not 0 <= seconds < math.inf:
         raise ConfigurationError(f"{what}: 0 or more seconds")
     return seconds
 
@@ -343,7 +366,7 @@ async def _body_json(receive: Receive) -> dict[str, Any]:
             break
     try:
         ask = json.loads(b"".join(chunks))
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise ConfigurationError(f"the body is not JSON: {exc}") from None
     if not isinstance(ask, dict):
         raise ConfigurationError("the body must be a JSON object")
@@ -352,7 +375,7 @@ async def _body_json(receive: Receive) -> dict[str, Any]:
 
 async def _json(send: Send, status: int, doc: object) -> None:
     body = json.dumps(doc).encode()
-    headers = [(b"content-type", b"application/json"), (b"cache-control", b"no-store")]
+    headers = [(b"content-type", b"application/json"), (b"cache-control", b"no-store"), _NOSNIFF]
     await _send(send, status, headers, body)
 
 
@@ -360,7 +383,8 @@ async def _problem(
     send: Send, status: int, title: str, detail: str, extra: list[tuple[bytes, bytes]] | None = None
 ) -> None:
     body = json.dumps({"type": "about:blank", "title": title, "status": status, "detail": detail}).encode()
-    headers = [(b"content-type", b"application/problem+json"), (b"cache-control", b"no-store"), *(extra or [])]
+    headers = [(b"content-type", b"application/problem+json"), (b"cache-control", b"no-store"), _NOSNIFF]
+    headers += extra or []
     await _send(send, status, headers, body)
 
 
