@@ -19,7 +19,6 @@ import asyncio
 import heapq
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -105,7 +104,7 @@ class MemoryBackend(ClosingMixin):
         self._expiry: list[tuple[float, str]] = []
         self._lock = threading.Lock()
         self.history = history
-        self._histories: dict[str, tuple[deque[Step], list[float]]] = {}  # digest -> (steps, [expires at])
+        self._histories: dict[str, tuple[tuple[Step, ...], float]] = {}  # digest -> (steps, expires at)
 
     def __len__(self) -> int:
         return len(self._records)
@@ -349,7 +348,10 @@ class MemoryBackend(ClosingMixin):
             await asyncio.sleep(0)
 
     async def write_history(self, batch: Sequence[tuple[RecordKey, float, Sequence[Step]]]) -> None:
-        """Append each key's steps, kept as long as its record and at least `ttl` seconds."""
+        """Append each key's steps, kept as long as its record and at least `ttl` seconds.
+
+        Kept as (tuple of steps, expiry): tuples of untracked objects, which the garbage collector
+        stops traversing, so a store holding many histories costs its collections nothing."""
         with self._lock:
             now = self._clock()
             keep = self.history or KEEP
@@ -357,21 +359,21 @@ class MemoryBackend(ClosingMixin):
             for key, ttl, steps in batch:
                 digest = key.digest
                 found = histories.get(digest)
-                if found is None or found[1][0] <= now:
-                    if len(histories) >= self.max_entries:
-                        self._forget_histories(now)
-                    found = histories[digest] = (deque(maxlen=keep), [0.0])
-                kept = found[0]
+                kept: tuple[Step, ...] = () if found is None or found[1] <= now else found[0]
+                if found is None and len(histories) >= self.max_entries:
+                    self._forget_histories(now)
                 for step in steps:
-                    if not (kept and counted_into(kept[-1], msgspec.structs.replace(step))):
-                        kept.append(msgspec.structs.replace(step))  # a copy: the caller's steps stay theirs
+                    step = msgspec.structs.replace(step)  # a copy: the caller's steps stay theirs
+                    if not (kept and counted_into(kept[-1], step)):
+                        kept = (*kept, step)
                 rec = self._records.get(digest)
-                found[1][0] = max(found[1][0], now + ttl, rec.expires_at if rec is not None else 0.0)
+                until = max(now + ttl, rec.expires_at if rec is not None else 0.0)
+                histories[digest] = (kept[-keep:], until if found is None or found[1] <= now else max(found[1], until))
 
     def _forget_histories(self, now: float, *, expired_only: bool = False) -> None:
         """Drop expired histories; if that left the bound reached, the oldest-written tenth."""
         histories = self._histories
-        for digest in [d for d, (_, until) in histories.items() if until[0] <= now]:
+        for digest in [d for d, (_, until) in histories.items() if until <= now]:
             del histories[digest]
         if not expired_only and len(histories) >= self.max_entries:
             for digest in list(histories)[: max(1, len(histories) // 10)]:
@@ -380,7 +382,7 @@ class MemoryBackend(ClosingMixin):
     async def read_history(self, key: RecordKey) -> list[Step]:
         with self._lock:
             found = self._histories.get(key.digest)
-            if found is None or found[1][0] <= self._clock():
+            if found is None or found[1] <= self._clock():
                 return []
             return [msgspec.structs.replace(step) for step in found[0]]  # copies: the kept ones stay the store's
 

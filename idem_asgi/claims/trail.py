@@ -1,8 +1,9 @@
 """The history writer of one store in this process: steps queued, written in the background.
 
 A session's step (`note`) is a dict lookup and an append: no await, no store call. The first step
-queued starts one flush task; while a flush is on the wire the next steps queue behind it and go
-as the next batch (one store round trip per batch, however many keys). Repeats of one kind in a
+queued starts one flush task, which waits `LINGER` (20 ms) and writes what queued meanwhile, then
+again while steps keep coming: one store round trip per batch, however many keys, and at most one
+batch per 20 ms and store in a busy process. Repeats of one kind in a
 row on one key (replays, refusals, renewals) count into one step. Bounded: past `MAX_KEYS` keys
 waiting, steps are dropped and counted (`dropped`); a batch the store fails is dropped and logged
 once a minute. Closing the store writes what is queued first (`drain`, bounded by `DRAIN`).
@@ -27,6 +28,9 @@ MAX_KEYS: Final = 10_000
 """Keys with steps waiting to be written, at most; more are dropped (counted in `dropped`)."""
 DRAIN: Final = 5.0
 """Seconds `drain` (the store closing) waits for the last batch."""
+LINGER: Final = 0.02
+"""Seconds a flush waits before its first batch, so a busy process writes one batch per 20 ms, not
+one per step: each write costs the process a statement or script call, whatever its size."""
 
 _STEP_OF: Final[dict[str, str]] = {
     "lease_extended": "renewed",
@@ -76,9 +80,11 @@ class Trail:
             with contextlib.suppress(RuntimeError):
                 self._flushing = asyncio.get_running_loop().create_task(self._flush())
 
-    async def _flush(self) -> None:
+    async def _flush(self, linger: float = LINGER) -> None:
         try:
             while self.pending:
+                if linger:
+                    await asyncio.sleep(linger)
                 batch, self.pending = self.pending, {}
                 by = this_process()
                 count = 0
@@ -100,7 +106,7 @@ class Trail:
     async def drain(self) -> None:
         """Write what is queued (the store is closing), waiting at most `DRAIN` seconds."""
         if self.pending and self._flushing is None:
-            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+            self._flushing = asyncio.get_running_loop().create_task(self._flush(0.0))
         task = self._flushing
         if task is not None:
             # Timed out or failed: what was queued is lost, as it would be in a crash.
