@@ -504,3 +504,32 @@ async def test_histories_of_keys_and_namespaces_never_mix(name: str, namespace: 
             assert [(s.key.digest, s.record.token) for s in listed] == [(stuck.digest, claimed.token)]
     finally:
         await store.aclose()
+
+
+@pytest.mark.postgres
+async def test_a_postgres_table_without_its_history_table_still_serves_the_tools() -> None:
+    """A table made before histories existed (or by an app without `history`) has no
+    `<table>_history`: reading a key's history finds none, `purge()` still purges, a store without
+    `history` never asks to create it (its role may not), and one with `history` creates it."""
+    table = f"idem_test_{uuid.uuid4().hex[:12]}"
+    store = await make_backend("postgres", table=table)
+    conn = await asyncpg.connect(POSTGRES_DSN)
+    try:
+        await conn.execute(f'DROP TABLE "{table}_history"')  # as an earlier release left it
+        key = RecordKey.build("ns", "", "k")
+        assert isinstance(await store.claim(key, b"fp", lease=30, ttl=0.5), Claimed)
+        await asyncio.sleep(0.6)
+        assert await store.read_history(key) == []
+        assert await store.purge() == 1
+        again = PostgresBackend.from_dsn(POSTGRES_DSN, table=table, create_table=True)
+        await again.setup()  # history off: nothing to create, so no DDL (and no CREATE right needed)
+        await again.aclose()
+        assert not await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", f"{table}_history")
+        kept = PostgresBackend.from_dsn(POSTGRES_DSN, table=table, history=4)
+        await kept.setup()
+        await kept.aclose()
+        assert await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", f"{table}_history")
+    finally:
+        await store.aclose()
+        await conn.execute(f'DROP TABLE IF EXISTS "{table}", "{table}_history"')
+        await conn.close()

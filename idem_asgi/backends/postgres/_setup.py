@@ -28,6 +28,8 @@ class Setup(RawKeyRecord):
     _timeout: float
     _indexes: dict[str, str]
     _relations: list[str]
+    _history_relations: list[str]
+    history: int
     history_table: str
     _pool: Any
     _dsn: str | None
@@ -103,13 +105,14 @@ class Setup(RawKeyRecord):
         return self._pool_options
 
     async def _create(self, conn: Any) -> None:
-        exists = "SELECT " + " AND ".join(f"to_regclass(${i}) IS NOT NULL" for i in range(1, len(self._relations) + 1))
+        relations = [*self._relations, *(self._history_relations if self.history else [])]
+        exists = "SELECT " + " AND ".join(f"to_regclass(${i}) IS NOT NULL" for i in range(1, len(relations) + 1))
         # (and the newest column: tables made by earlier releases get it from the DDL's ALTER)
         exists += (
             " AND (SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($1)"
             " AND attname IN ('watched', 'sealed_key')) = 2"
         )
-        if await conn.fetchval(exists, *self._relations, timeout=self.timeout):
+        if await conn.fetchval(exists, *relations, timeout=self.timeout):
             return  # nothing to do, and no lock taken on a table that is serving
         # CREATE ... IF NOT EXISTS is not safe against itself: two workers starting together can
         # both pass the check and one fails on pg_type's unique index. A transaction-scoped

@@ -95,7 +95,11 @@ class PostgresBackend(Watching, ClosingMixin):
         }
         schema = f'"{parts[0]}".' if len(parts) == 2 else ""
         self.history_table = schema + index_name(parts[-1], "history")
-        self._relations = [self.table, self.history_table, *(schema + name for name in self._indexes.values())]
+        names = {k: schema + v for k, v in self._indexes.items()}
+        self._relations = [self.table, names["expires_index"], names["inflight_index"]]
+        # (what `history` needs besides: asked for only when it is on, so an app without it never
+        # needs the right to create a table its role may not, on an upgrade)
+        self._history_relations = [self.history_table, names["history_index"]]
         self._timeout = timeout
         self.store_keys = store_keys
         self.key_seal = KeySeal.from_setting(key_secret)
@@ -344,9 +348,15 @@ class PostgresBackend(Watching, ClosingMixin):
         await self._runner.run(pool, "execute", self._history_sql.write, *write_args(batch, self._id, self.history))
 
     async def read_history(self, key: RecordKey) -> list[Step]:
-        """The key's steps, oldest first."""
+        """The key's steps, oldest first (none when `<table>_history` was never made: no app had `history`)."""
         pool = await self._get_pool()
+        if not await self._has_history(pool):
+            return []
         return steps_of(await self._runner.run(pool, "fetchval", self._history_sql.read, *self._id(key)))
+
+    async def _has_history(self, pool: Any) -> bool:
+        found: bool = await self._runner.run(pool, "fetchval", "SELECT to_regclass($1) IS NOT NULL", self.history_table)
+        return found
 
     async def get(self, key: RecordKey) -> Record | None:
         pool = await self._get_pool()
@@ -373,7 +383,7 @@ class PostgresBackend(Watching, ClosingMixin):
             if deleted < batch_size:
                 break
         batches = 0  # and the histories past their expiry, by the same rule (not counted: not records)
-        while max_batches is None or batches < max_batches:
+        while (max_batches is None or batches < max_batches) and await self._has_history(pool):
             status = await self._runner.run(pool, "execute", self._history_sql.purge, batch_size)
             batches += 1
             if int(status.rpartition(" ")[2]) < batch_size:
