@@ -533,3 +533,28 @@ async def test_a_postgres_table_without_its_history_table_still_serves_the_tools
         await store.aclose()
         await conn.execute(f'DROP TABLE IF EXISTS "{table}", "{table}_history"')
         await conn.close()
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+async def test_a_jobs_history_has_its_claim_completion_and_repeats(name: str, namespace: str) -> None:
+    """The same history for a job as for a request: every surface's steps go through one claim core."""
+    from idem_asgi.jobs import idempotent
+
+    store = await open_store(name, 16)
+    runs: list[str] = []
+    try:
+
+        @idempotent(store, key=lambda order: f"charge:{order}", namespace=namespace, wait=5)
+        async def charge(order: str) -> int:
+            runs.append(order)
+            await asyncio.sleep(0.05)
+            return len(runs)
+
+        results = await asyncio.gather(*(charge("o-1") for _ in range(10)))
+        assert runs == ["o-1"] and set(results) == {1}
+        key = RecordKey.build(namespace, None, "charge:o-1")
+        steps = await history_until(store, key, lambda s: counted(s, "replayed", "conflict") >= 9)
+        assert [s.what for s in steps if s.what in ("claimed", "completed")] == ["claimed", "completed"], steps
+        assert counted(steps, "replayed", "conflict") == 9, steps
+    finally:
+        await store.aclose()
