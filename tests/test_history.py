@@ -558,3 +558,35 @@ async def test_a_jobs_history_has_its_claim_completion_and_repeats(name: str, na
         assert counted(steps, "replayed", "conflict") == 9, steps
     finally:
         await store.aclose()
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+async def test_reconcile_writes_who_resolved_each_key(name: str, namespace: str) -> None:
+    """`reconcile()` (and `idem-asgi reconcile`) leaves a `resolved` step in each key it resolved,
+    naming the run; a key its resolver left alone gets none."""
+    from idem_asgi.ops.reconcile import reconcile
+
+    store = await open_store(name, 16)
+    try:
+        keys = [RecordKey.build(namespace, "", k) for k in ("released", "left")]
+        tokens = []
+        for key in keys:
+            claimed = await store.claim(key, b"fp", lease=0.05, ttl=60)
+            assert isinstance(claimed, Claimed)
+            tokens.append(claimed.token)
+        await asyncio.sleep(0.1)
+        report = await reconcile(
+            store,  # type: ignore[arg-type]
+            lambda s: "release" if s.record.token == tokens[0] else None,
+            older_than=0,
+            namespace=namespace,
+        )
+        assert (report.released, report.unresolved) == (1, 1)
+        steps = await store.read_history(keys[0])
+        assert [(s.what, s.by, s.token) for s in steps] == [("resolved", f"reconcile on {ME}", str(tokens[0])[:8])], (
+            steps
+        )
+        assert "released" in steps[0].note
+        assert await store.read_history(keys[1]) == []
+    finally:
+        await store.aclose()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -35,9 +36,10 @@ import anyio
 import msgspec
 
 from .._logging import redact
-from ..backends import Backend, Maintenance
+from ..backends import Backend, Histories, Maintenance
 from ..claims.recovery import Verdict, resolve
 from ..errors import ConfigurationError, WrongAnswer
+from ..history import Step, this_process, token_prefix
 from ..records import Record, RecordKey, StaleRecord, StoredResponse
 from ..transform import AnswerTransform, seal
 
@@ -202,7 +204,27 @@ async def reconcile(
         _DRY_RUN.reset(told)
     # Items are appended as they finish: put them back in listing order (oldest lease first).
     report.items.sort(key=lambda item: item.lease_until)
+    if not dry_run and isinstance(backend, Histories):
+        await _note_resolved(backend, stale, report)
     return report
+
+
+async def _note_resolved(backend: Histories, stale: list[StaleRecord], report: ReconcileReport) -> None:
+    """A `resolved` step in each resolved key's history, by this run (one write for the run; a
+    store that fails it loses the steps, never the resolutions)."""
+    listed = {(s.key.digest, s.record.token): s for s in stale}
+    by = f"reconcile on {this_process()}"
+    batch = []
+    for item in report.items:
+        s = listed.get((item.digest, item.token))
+        if s is not None and item.action in ("completed", "released"):
+            step = Step(time.time(), "resolved", by=by, token=token_prefix(item.token), note=item.detail)
+            batch.append((s.key, s.record.ttl or 60.0, [step]))
+    if batch:
+        try:
+            await backend.write_history(batch)
+        except Exception as exc:
+            logger.warning("idem_asgi: reconcile could not write the keys' history: %s", exc)
 
 
 def _count(report: ReconcileReport, s: StaleRecord, action: Action, detail: str) -> None:
