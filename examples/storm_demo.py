@@ -2,9 +2,10 @@
 stored answer (byte for byte, `Idempotent-Replayed: true`) or 409 with `Retry-After`.
 
 Run with `python3 dev.py demo` (in-memory store) or `python3 dev.py demo --backend redis://127.0.0.1:6379/0`.
-Three storms: one payment retried 200 times with the default (a repeat that arrives while the
-charge runs gets 409 + Retry-After, one that arrives after it gets the replay), the same with
-`wait=2` on the route (repeats wait for the answer: all replays), then many payments at once.
+First the storm without the middleware (every retry charges the card again), then three with it:
+one payment retried 200 times with the default (a repeat that arrives while the charge runs gets
+409 + Retry-After, one that arrives after it gets the replay), the same with `wait=2` on the route
+(repeats wait for the answer: all replays), then many payments at once.
 """
 
 from __future__ import annotations
@@ -26,20 +27,22 @@ CHARGE_SECONDS = 0.05  # the card network takes a moment
 SHOWN = ("idempotent-replayed", "retry-after", "content-type", "link")
 
 
-def build_app(backend_url: str, wait: float | None) -> tuple[FastAPI, Counter[str]]:
-    """The payments app, and the ledger of real charges per key (the ground truth)."""
+def build_app(backend_url: str | None, wait: float | None) -> tuple[FastAPI, Counter[str]]:
+    """The payments app (without the middleware for `backend_url=None`), and the ledger of real
+    charges per key (the ground truth)."""
     charges: Counter[str] = Counter()
     app = FastAPI()
-    app.add_middleware(
-        IdempotencyMiddleware,
-        backend=backend_from_url(backend_url),
-        routes=[RoutePolicy("/payments", methods=["POST"], required=True, wait=wait)],
-        scope=scope_from_header("x-merchant-id"),
-    )
+    if backend_url is not None:
+        app.add_middleware(
+            IdempotencyMiddleware,
+            backend=backend_from_url(backend_url),
+            routes=[RoutePolicy("/payments", methods=["POST"], required=True, wait=wait)],
+            scope=scope_from_header("x-merchant-id"),
+        )
 
     @app.post("/payments", status_code=201)
     async def charge(request: Request) -> dict[str, object]:
-        key = request.state.idempotency.key
+        key = request.headers["idempotency-key"]
         order = await request.json()
         await asyncio.sleep(CHARGE_SECONDS)
         charges[key] += 1
@@ -79,7 +82,7 @@ class Storm:
         )
 
 
-async def storm(backend_url: str, keys: int, duplicates: int, seed: int, *, wait: float | None) -> Storm:
+async def storm(backend_url: str | None, keys: int, duplicates: int, seed: int, *, wait: float | None) -> Storm:
     app, charges = build_app(backend_url, wait)
     rng = random.Random(seed)
     run = uuid.uuid4().hex[:8]  # durable stores keep earlier runs: fresh keys each time
@@ -100,7 +103,7 @@ async def storm(backend_url: str, keys: int, duplicates: int, seed: int, *, wait
             r = await pay(key)
             if r.status_code == 201:
                 kind = "replayed" if r.headers.get("idempotent-replayed") == "true" else "first"
-                if first.setdefault(key, r.content) != r.content:
+                if first.setdefault(key, r.content) != r.content and kind == "replayed":
                     result.differing += 1
             else:
                 kind = str(r.status_code)
@@ -120,9 +123,9 @@ async def storm(backend_url: str, keys: int, duplicates: int, seed: int, *, wait
     return result
 
 
-def show(title: str, backend_url: str, s: Storm, *, samples: bool) -> None:
+def show(title: str, backend_url: str | None, s: Storm, *, samples: bool) -> None:
     print(f"\n== {title}")
-    print(f"backend             {backend_url}")
+    print(f"backend             {backend_url or '(none: no idempotency middleware)'}")
     spread = f"spread over {2 * CHARGE_SECONDS * 1000:.0f} ms"
     print(f"requests            {s.requests} ({s.keys} key(s) x {s.requests // s.keys} retries, {spread})")
     print(f"charges executed    {sum(s.charges.values())}  (double charges: {s.double})")
@@ -153,6 +156,8 @@ def main() -> int:
         ("The same with RoutePolicy(..., wait=2): repeats wait for the answer", 1, 200, 2.0),
         (f"{args.keys} payments, {args.duplicates} retries each, default", args.keys, args.duplicates, None),
     ]
+    bare = asyncio.run(storm(None, 1, 200, args.seed, wait=None))
+    show("Without idempotency: one payment, 200 retries (every retry charges again)", None, bare, samples=False)
     results = []
     for i, (title, keys, duplicates, wait) in enumerate(storms):
         s = asyncio.run(storm(args.backend, keys, duplicates, args.seed + i, wait=wait))

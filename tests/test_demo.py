@@ -1,4 +1,5 @@
-"""`python3 dev.py demo` shows what the README promises: one charge per payment, repeats that are
+"""`python3 dev.py demo` shows what the README promises: without the middleware, 200 retries charge
+201 times; with it, one charge per payment, repeats that are
 byte-identical replays marked `Idempotent-Replayed: true` or 409s with `Retry-After`, and both
 kinds in the default storm (with `wait=` on the route: replays only)."""
 
@@ -25,7 +26,8 @@ def test_the_demo_shows_replays_and_409s_with_their_headers_and_one_charge_each(
     )
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
-    default, waiting, many = storms(out)
+    bare, default, waiting, many = storms(out)
+    assert bare["charges executed"] == 201, "without the middleware every retry charges again"
     assert (default["charges executed"], waiting["charges executed"], many["charges executed"]) == (1, 1, 50)
     assert out.count("(double charges: 0)") == 3
     assert default["replays (201)"] > 0 and default["409 in progress"] > 0, "the default storm shows both kinds"

@@ -10,6 +10,7 @@ from pathlib import Path
 from types import CodeType
 
 ALONE = (
+    "index.md",
     "get-started.md",
     "frameworks.md",
     "keys.md",
