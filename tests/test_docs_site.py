@@ -11,6 +11,7 @@ missing; under CI=true either fails the run."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import inspect
@@ -19,6 +20,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import urllib.error
@@ -125,7 +127,10 @@ def page(browser: Any) -> Iterator[Any]:
     tab.errors = []
     tab.on("console", lambda m: tab.errors.append(f"console: {m.text}") if m.type == "error" else None)
     tab.on("pageerror", lambda e: tab.errors.append(f"pageerror: {e}"))
-    tab.on("requestfailed", lambda r: tab.errors.append(f"request failed: {r.url}"))
+    tab.on(  # a fetch cut short by the next page.goto (the favicon, on a slow machine) is no broken link
+        "requestfailed",
+        lambda r: tab.errors.append(f"request failed: {r.url}") if r.failure != "net::ERR_ABORTED" else None,
+    )
     try:
         yield tab
     finally:
@@ -148,15 +153,101 @@ def test_home_and_every_guide_render_without_console_errors(site: str, page: Any
 
 def test_the_flow_picture_and_the_benchmark_chart_show(site: str, page: Any, tmp_path: Path) -> None:
     page.goto(site + "how-it-works/", wait_until="networkidle")
-    flow = page.locator("div.mermaid").first  # Material swaps the source's <pre> for the drawing
-    flow.wait_for(state="visible", timeout=10_000)
-    box = flow.bounding_box()
-    assert box is not None and box["height"] > 400, box  # the flowchart (in a closed shadow root)
-    flow.screenshot(path=str(tmp_path / "flow.png"))
+    flows = page.locator("div.mermaid")  # Material swaps each source's <pre> for its drawing
+    flows.first.wait_for(state="visible", timeout=10_000)
+    assert flows.count() == 3  # before the store, what the claim answers, after the app ran
+    box = flows.first.bounding_box()
+    assert box is not None and box["height"] > 400, box  # the first, top to bottom (in a closed shadow root)
+    for n in range(flows.count()):
+        flows.nth(n).screenshot(path=str(tmp_path / f"flow-{n + 1}.png"))
     page.goto(site + "benchmarks/", wait_until="networkidle")
     chart = page.locator("article img[src$='benchmarks.png']").first
     assert chart.evaluate("img => img.complete && img.naturalWidth > 0")
     assert page.errors == []
+
+
+TUTORIAL = "tutorial/" if (ROOT / "docs" / "tutorial" / "index.md").exists() else "get-started/"
+"""The tutorial's first page; Get started until docs/tutorial/index.md exists."""
+READABLE = ["", TUTORIAL, "api/", "how-it-works/"]
+"""Pages checked for readable text at two widths (how-it-works for its flow pictures)."""
+WIDTHS = {"desktop": (1280, 900), "phone": (390, 844)}
+SMALLEST_PX = 11
+OPEN_SHADOWS = """{
+  const attach = Element.prototype.attachShadow;
+  Element.prototype.attachShadow = function (init) { return attach.call(this, { ...init, mode: "open" }); };
+}"""
+"""Material draws each mermaid picture in a closed shadow root; opened (in this test only), its text
+can be measured like the page's."""
+TEXT_SIZES = """() => {
+  const found = [];
+  const width = window.innerWidth;
+  const shown = (el) => {
+    const rules = { opacityProperty: true, visibilityProperty: true, contentVisibilityAuto: true };
+    if (!el.checkVisibility(rules)) return false;  // closed <details> included
+    const r = el.getBoundingClientRect();  // off-canvas drawers (the phone's nav) are not shown
+    return r.width > 0 && r.height > 0 && r.right > 0 && r.left < width;
+  };
+  const walk = (root, where) => {
+    const texts = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
+    for (let node = texts.nextNode(); node; node = texts.nextNode()) {
+      const el = node.parentElement;
+      if (!node.textContent.trim() || !el || !shown(el)) continue;
+      let px = parseFloat(getComputedStyle(el).fontSize);
+      const svg = el.closest("svg");
+      if (svg) px *= svg.getScreenCTM().a;  // a drawing scaled to fit draws its text smaller
+      found.push({ where, px, text: node.textContent.trim().slice(0, 40) });
+    }
+  };
+  for (const root of document.querySelectorAll("header.md-header, nav.md-tabs, .md-sidebar, article")) {
+    walk(root, root.tagName.toLowerCase());
+  }
+  const drawings = [...document.querySelectorAll("div.mermaid")];
+  for (const host of drawings) walk(host.shadowRoot, "mermaid");
+  return { texts: found, drawings: drawings.length, opened: drawings.every((h) => h.shadowRoot !== null) };
+}"""
+"""Every text node shown in the header, the tabs, the sidebars and the article (mermaid pictures
+included), with the size it is drawn at, in CSS px."""
+
+
+def test_home_tutorial_and_api_read_at_desktop_and_phone_widths(browser: Any, site: str, tmp_path: Path) -> None:
+    """Screenshots at two widths; no console error; no text drawn under 11 px (the pictures' too)."""
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    small: list[str] = []
+    errors: list[str] = []
+    sheets = True
+    for name, (width, height) in WIDTHS.items():
+        context = browser.new_context(viewport={"width": width, "height": height})
+        context.add_init_script(OPEN_SHADOWS)
+        tab = context.new_page()
+        tab.on("console", lambda m: errors.append(f"console: {m.text}") if m.type == "error" else None)
+        tab.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
+        try:
+            for path in READABLE:
+                response = tab.goto(site + path, wait_until="networkidle")
+                assert response is not None and response.status == 200, path
+                if path == "how-it-works/":
+                    tab.locator("div.mermaid").first.wait_for(state="visible", timeout=10_000)
+                tab.screenshot(path=str(shots / f"{path.strip('/') or 'home'}-{name}.png"), full_page=True)
+                seen = tab.evaluate(TEXT_SIZES)
+                assert seen["opened"] and len(seen["texts"]) > 50, (path, name)
+                if path == "how-it-works/":
+                    drawn = [t for t in seen["texts"] if t["where"] == "mermaid"]
+                    assert seen["drawings"] == 3 and len(drawn) >= 20, (name, seen["drawings"], len(drawn))
+                small += [
+                    f"{path or 'home'} ({name}) {t['where']}: {t['px']:.2f} px {t['text']!r}"
+                    for t in seen["texts"]
+                    if t["px"] < SMALLEST_PX - 0.005
+                ]
+                sheets = sheets and tab.evaluate(
+                    "() => [...document.styleSheets].some((s) => (s.href || '').endsWith('readable.css'))"
+                )
+        finally:
+            context.close()
+    assert errors == []
+    print(f"screenshots: {shots} ({len(READABLE)} pages x {len(WIDTHS)} widths)")
+    assert sheets, "mkdocs.yml loads docs/assets/stylesheets/readable.css (Material's code in tables is 10.88 px)"
+    assert small == [], small[:20]
 
 
 def test_dark_mode_and_code_copy_buttons(site: str, page: Any, tmp_path: Path) -> None:
@@ -270,6 +361,26 @@ def test_the_api_reference_covers_every_public_name(module: str, built: Path) ->
     ids = set(re.findall(r'id="([^"]+)"', (built / REFERENCE[module] / "index.html").read_text()))
     absent = [n for n in public if f"{name}.{n}" not in ids and f"{name}.{n}.{n}" not in ids]
     assert absent == [], f"{name}: not in its reference page"
+
+
+def test_the_payments_examples_excerpts_are_whole_blocks_at_their_line_numbers() -> None:
+    """docs/examples.md includes parts of the example's files by line range (the site cannot link
+    outside docs/): each range must still be one whole block of code, numbered from its first line,
+    so an edit of the example that shifts it fails here instead of showing half a function."""
+    page = (ROOT / "docs" / "examples.md").read_text()
+    excerpts = re.findall(r'linenums="(\d+)"\n--8<-- "([^":]+):(\d+):(\d+)"', page)
+    assert len(excerpts) >= 5
+    for numbered, path, first, last in excerpts:
+        lines = (ROOT / path).read_text().splitlines()
+        start, end = int(first), int(last)
+        part = lines[start - 1 : end]
+        where = f"{path}:{start}:{end}"
+        assert numbered == first, where
+        assert part[0].strip() and part[-1].strip(), where  # starts and ends on code
+        assert end == len(lines) or not lines[end].strip(), where  # the block ends there
+        ast.parse(textwrap.dedent("\n".join(part)))  # whole statements, nothing cut in half
+    whole = set(re.findall(r'--8<-- "(examples/payments/[^":]+\.py)"', page))
+    assert whole == {str(f.relative_to(ROOT)) for f in (ROOT / "examples" / "payments").glob("*.py")}
 
 
 def test_each_problem_type_has_its_anchor_and_the_served_pages_text(built: Path) -> None:
