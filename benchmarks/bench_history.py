@@ -26,16 +26,8 @@ from idem_asgi.backends import Backend, MemoryBackend
 from idem_asgi.claims.runtime import machinery_for
 from tests.support.servers import POSTGRES_DSN, REDIS_URL, reachable
 
+from .bench_roundtrips import app, call
 from .figures import append
-
-BODY = b'{"amount": 1000, "currency": "eur"}'
-ANSWER = b'{"id": "ch_1", "status": "succeeded"}'
-
-
-async def app(scope: Any, receive: Any, send: Any) -> None:
-    await receive()
-    await send({"type": "http.response.start", "status": 201, "headers": [(b"content-type", b"application/json")]})
-    await send({"type": "http.response.body", "body": ANSWER})
 
 
 def make_store(kind: str, history: int, table: str) -> Backend:
@@ -50,39 +42,6 @@ def make_store(kind: str, history: int, table: str) -> Backend:
     return PostgresBackend.from_dsn(POSTGRES_DSN, table=table, history=history)
 
 
-async def post(mw: Any, key: bytes) -> int:
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/pay",
-        "raw_path": b"/pay",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"idempotency-key", key), (b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-    }
-    sent: list[bool] = []
-    status = 0
-
-    async def receive() -> dict[str, Any]:
-        if sent:
-            await asyncio.Event().wait()
-        sent.append(True)
-        return {"type": "http.request", "body": BODY, "more_body": False}
-
-    async def send(message: dict[str, Any]) -> None:
-        nonlocal status
-        if message["type"] == "http.response.start":
-            status = message["status"]
-
-    await mw(scope, receive, send)
-    return status
-
-
 async def one_round(kind: str, history: int, keys: int, inflight: int, table: str) -> dict[str, float]:
     """µs per new key and per replay (wall, CPU) and the history's store writes per 100 keys."""
     store = make_store(kind, history, table)
@@ -90,10 +49,10 @@ async def one_round(kind: str, history: int, keys: int, inflight: int, table: st
         await store.setup()  # type: ignore[attr-defined]
     routes = [RoutePolicy("/pay", methods=["POST"], single_tenant=True, ttl=600)]
     mw = IdempotencyMiddleware(app, backend=store, routes=routes, namespace=f"bench-h-{uuid.uuid4().hex[:8]}")
-    names = [f"k-{i}".encode() for i in range(keys)]
+    names = [f"k-{i}" for i in range(keys)]
     try:
         for _ in range(20):  # warm up: connections, prepared statements, the trail's first batch
-            await post(mw, uuid.uuid4().hex.encode())
+            await call(mw, uuid.uuid4().hex)
         await asyncio.sleep(0.1)
         figures: dict[str, float] = {}
         for case, expect in (("new-key", 201), ("replay", 201)):
@@ -101,7 +60,7 @@ async def one_round(kind: str, history: int, keys: int, inflight: int, table: st
 
             async def worker(queue: Any = queue, expect: int = expect) -> None:
                 for name in queue:
-                    assert await post(mw, name) == expect
+                    assert (await call(mw, name))[0] == expect
 
             cpu0, t0 = time.process_time(), time.perf_counter()
             await asyncio.gather(*(worker() for _ in range(inflight)))
