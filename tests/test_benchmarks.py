@@ -63,3 +63,28 @@ def test_the_overhead_benchmark_reports_each_target_beside_the_floor() -> None:
     # Every request of every side got its 200: the last column of the summary rows is non-200 answers.
     rows = [line.split() for line in out.splitlines() if re.match(r"(memory|floor)\s+(new-key|replay)\s+\d", line)]
     assert len(rows) == 4 and all(row[-1] == "0" for row in rows), rows
+
+
+def test_the_history_benchmark_writes_the_figures_the_pages_show(tmp_path: Path) -> None:
+    """A tiny run of `benchmarks.bench_history` on the memory store: its summary row has every field
+    `benchmarks/figures.py` renders, and no history step was lost (not the numbers: those belong to a
+    quiet machine)."""
+    import json
+
+    from benchmarks import figures
+
+    summary = tmp_path / "history.jsonl"
+    args = ["--stores", "memory", "--keys", "100", "--rounds", "1", "--summary", str(summary)]
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_history", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "memory: history=16 over history=0, same run" in done.stdout
+    (row,) = [json.loads(line) for line in summary.read_text().splitlines()]
+    assert row["store"] == "memory" and row["lost"] == 0 and row["floor_new_key_cpu_us"] > 0
+    text = "\n".join(figures._history({"history": [{k: v for k, v in row.items() if k != "kind"}]}))
+    assert "| memory | x" in text
