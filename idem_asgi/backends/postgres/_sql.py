@@ -144,8 +144,8 @@ SELECT false, state, fingerprint, token, lease_until, expires_at, status, header
 FROM cur WHERE NOT free
 """
         # The same claim for many keys at once (group commit), over arrays sorted by key; each result
-        # row carries its claim's token last. A key given twice is claimed once: the other call
-        # finds no row of its own and runs again, as after a lost race.
+        # row carries its claim's token last. Group sends each key once per statement; a key given
+        # twice anyway would be claimed once, the other call finding no row and running again.
         self.claim_many = f"""
 WITH q AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::int8[], $6::float8[], $7::float8[],
