@@ -621,6 +621,13 @@ async def main_async(opts: argparse.Namespace) -> int:
             for broker in connected.values():
                 await broker.close()
     sums = [s for s in (summary(rows, name) for name in brokers) if s is not None]
+    if opts.summary:
+        from benchmarks import figures  # the parent only: consumer processes may import another checkout
+
+        run = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        for s in sums:
+            setup = {"kind": "consumer-rate", "run": run, "n": opts.n, "procs": opts.procs, "window": opts.window}
+            figures.append(opts.summary, {**setup, **{k: v for k, v in s.items() if k != "row"}})
     if opts.json:
         for s in sums:
             print(json.dumps(s))
@@ -652,6 +659,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--brokers", default="rabbitmq,nats")
     parser.add_argument("--sides", default="bare,ours")
     parser.add_argument("--json", action="store_true", help="JSON lines: one per round, one summary per broker")
+    parser.add_argument("--summary", default="", help="also append each broker's summary as a JSON line here")
     parser.add_argument("--pythonpath", help="consumers import idem_asgi from this checkout instead")
     parser.add_argument("--cprofile", metavar="DIR", help="each consumer process dumps a cProfile of its consuming")
     # A consumer process (started by the parent):

@@ -20,10 +20,12 @@ import json
 import os
 import platform
 import statistics
+import time
 import tracemalloc
 import uuid
 from typing import Any
 
+from benchmarks import figures
 from benchmarks._client import build_request, run_load
 from benchmarks.bench_app import Server, install_signal_handlers, pin_self, stop_all
 from idem_asgi import IdempotencyMiddleware, RoutePolicy
@@ -176,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=1.5, help="seconds per round (default 1.5)")
     parser.add_argument("--rounds", type=int, default=3, help="bare/ours pairs per point (default 3; median)")
     parser.add_argument("--json", action="store_true", help="print JSON lines instead of tables")
+    parser.add_argument("--summary", default="", help="also append the points, targets and memory as JSON lines here")
     args = parser.parse_args(argv)
     install_signal_handlers()
     pinned = pin_self("1")
@@ -187,6 +190,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop_all()
     goals = targets(rows)
+    if args.summary:
+        run = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        figures.append(args.summary, {"kind": "run", "run": run, "rounds": args.rounds, "duration": args.duration})
+        for row in rows:
+            figures.append(args.summary, {"kind": "point", **row})
+        for goal in goals:
+            figures.append(args.summary, {"kind": "target", **goal})
+        for size, per in memory:
+            figures.append(
+                args.summary, {"kind": "memory", "in_flight_body_bytes": size, "bytes_per_request": round(per)}
+            )
     if args.json:
         for row in rows:
             print(json.dumps(row))

@@ -1,26 +1,32 @@
 """One source for the benchmark figures the pages quote: `benchmarks/latest.json`.
 
 `python -m benchmarks.run_all` (`python3 dev.py bench`) writes `latest.json` from the results of the
-run and then rewrites the blocks of README.md and docs/benchmarks.md that quote them (between
-`<!-- figures:NAME -->` and `<!-- /figures:NAME -->`), so a page never quotes a figure another page
-or an older run contradicts. By hand:
+run and then rewrites every block of README.md and docs/ that quotes them (between
+`<!-- figures:NAME -->` and `<!-- /figures:NAME -->`, NAME one of BLOCKS), so a page never quotes a
+figure another page or an older run contradicts. By hand:
 
     python -m benchmarks.figures            # rewrite the blocks from latest.json
     python -m benchmarks.figures --check    # exit 1 when a block differs from latest.json (a test runs it)
-    python -m benchmarks.figures --merge history out.jsonl  # one benchmark's figures, then the blocks
+    python -m benchmarks.figures --merge scale out.jsonl  # one benchmark's figures, then the blocks
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 LATEST = ROOT / "benchmarks" / "latest.json"
-PAGES = {"readme": ROOT / "README.md", "standing": ROOT / "docs" / "benchmarks.md"}
+SECTIONS = {"group_commit": "group-commit.jsonl", "history": "history.jsonl", "scale": "scale.jsonl"}
+SECTIONS["consumers"] = "consumer-rate.jsonl"
+"""latest.json's sections written from one benchmark's `--summary` file each (`--merge NAME FILE`)."""
+_MARK = re.compile(r"<!-- figures:([\w-]+) -->\n")
 
 STORES = ("memory", "redis", "postgres", "floor", "naive", "forward")
 NAMES = {
@@ -63,17 +69,26 @@ def collect(out: Path, run: str, machine: str) -> dict[str, Any]:
     for row in _lines(out / "instructions.jsonl"):
         if row.get("kind") == "valgrind":
             instructions.setdefault(row["server"], {})[row["case"]] = row["instructions"]
-    group = [{k: v for k, v in row.items() if k != "kind"} for row in _lines(out / "group-commit.jsonl")]
-    history = [{k: v for k, v in row.items() if k != "kind"} for row in _lines(out / "history.jsonl")]
     return {
         "run": run,
         "machine": machine,
         "noop": ratios("overhead-noop.jsonl"),
         "io": ratios("overhead-io.jsonl"),
         "instructions": instructions,
-        "group_commit": group,
-        "history": history,
+        **{name: section(out / file) for name, file in SECTIONS.items()},
     }
+
+
+def section(path: Path) -> list[dict[str, Any]]:
+    """One benchmark's summary rows; a run row (when it wrote none, the file's time) comes first."""
+    rows = _lines(path)
+    if rows and not any(r.get("kind") == "run" for r in rows):
+        rows.insert(0, {"kind": "run", "run": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(os.path.getmtime(path)))})
+    return rows
+
+
+def _rows(data: dict[str, Any], name: str, kind: str) -> list[dict[str, Any]]:
+    return [r for r in data.get(name) or [] if r.get("kind", kind) == kind]
 
 
 def _f(value: float | None) -> str:
@@ -151,7 +166,7 @@ def _targets(data: dict[str, Any]) -> list[str]:
 
 
 def _group_commit(data: dict[str, Any]) -> list[str]:
-    rows = data["group_commit"]
+    rows = _rows(data, "group_commit", "group-commit")
     if not rows:
         return []
     out = [
@@ -168,7 +183,7 @@ def _group_commit(data: dict[str, Any]) -> list[str]:
 
 
 def _history(data: dict[str, Any]) -> list[str]:
-    rows = data.get("history") or []
+    rows = _rows(data, "history", "history")
     if not rows:
         return []
     out = [
@@ -187,8 +202,81 @@ def _history(data: dict[str, Any]) -> list[str]:
     return out
 
 
+def _scale(data: dict[str, Any]) -> list[str]:
+    points = _rows(data, "scale", "point")
+    if not points:
+        return ["No scale curve in `benchmarks/latest.json` yet: `python3 dev.py bench`."]
+    run = _rows(data, "scale", "run")[0]
+    pairs = f"{run['rounds']} bare/ours pairs" if "rounds" in run else "bare/ours pairs"
+    rounds = f"the median of {pairs} per point"
+    out = [
+        f"Scale curve (`python -m benchmarks.bench_scale`, run {run['run']}, {points[0]['backend']} store, a route "
+        f"that reads its body on both sides, a new key every request, {rounds}):",
+        "",
+        "| concurrency | body | bare requests/s | ours requests/s | ours over bare | p99 ms, bare / ours |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in points:
+        out.append(
+            f"| {r['concurrency']} | {_size(r['body_bytes'])} | {r['bare_rps']:,.0f} | {r['ours_rps']:,.0f} "
+            f"| {r['ratio']:.2f} | {r['bare_p99_ms']:.1f} / {r['ours_p99_ms']:.1f} |"
+        )
+    out.append("")
+    for t in _rows(data, "scale", "target"):
+        out.append(f"- {t['target']}: **{t['value']:.2f}** (target {t['goal']:.1f}: {_met(t['met'])})")
+    memory = _rows(data, "scale", "memory")
+    if memory:
+        per = ", ".join(
+            f"{m['bytes_per_request'] / 1024:.1f} KiB with {_size(m['in_flight_body_bytes'])} bodies" for m in memory
+        )
+        out.append(f"- the middleware's memory per request held in flight, besides its body: {per}")
+    return out
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def _consumers(data: dict[str, Any]) -> list[str]:
+    rows = _rows(data, "consumers", "consumer-rate")
+    if not rows:
+        return ["No consumer throughput in `benchmarks/latest.json` yet: `python3 dev.py bench`."]
+    r0 = rows[0]
+    out = [
+        f"Message consumers' throughput (`python -m benchmarks.bench_consumer_rate`, run {r0['run']}, {r0['n']:,} "
+        f"messages per round, {r0['procs']} consumer processes, prefetch / fetch batch {r0['window']}, a no-op "
+        f"handler on the local Redis, bare and ours in {r0['rounds']} alternating rounds):",
+        "",
+        "| broker | bare msg/s | ours msg/s | ours over bare (min-max) | consumers' CPU µs per message, bare → ours "
+        "| broker's, bare → ours | Redis server's, ours | target |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    names = {"rabbitmq": "RabbitMQ", "nats": "NATS JetStream"}
+    for r in rows:
+        out.append(
+            f"| {names.get(r['broker'], r['broker'])} | {r['bare_msg_per_s']:,.0f} | {r['ours_msg_per_s']:,.0f} "
+            f"| **{r['ratio']:.2f}** ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) "
+            f"| {_us(r['bare_cpu_us_per_msg'])} → {_us(r['ours_cpu_us_per_msg'])} "
+            f"| {_us(r['bare_broker_cpu_us_per_msg'])} → {_us(r['ours_broker_cpu_us_per_msg'])} "
+            f"| {_us(r['ours_redis_cpu_us_per_msg'])} | {r['target']:.2f}: {_met(r['met'])} |"
+        )
+    return out
+
+
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+BLOCKS = {"scale": _scale, "consumers": _consumers}
+"""Blocks any page may hold, besides the README's and docs/benchmarks.md's standing ones."""
+
+
 def render(name: str, data: dict[str, Any]) -> str:
-    """The text of block `name` (readme, standing) for `data`."""
+    """The text of block `name` (readme, standing, or one of BLOCKS) for `data`."""
+    if name in BLOCKS:
+        return "\n".join(BLOCKS[name](data)) + "\n"
+    if name not in ("readme", "standing"):
+        raise ValueError(f"no figure block {name!r}: one of readme, standing, {', '.join(BLOCKS)}")
     head = [
         f"Latest run: **{data['run']}**, {data['machine']}; FastAPI `POST` under one uvicorn worker at",
         "concurrency 32, requests/s with the middleware over the bare app, the floors measured in the same",
@@ -222,13 +310,25 @@ def block(text: str, name: str) -> str:
     return text.split(start, 1)[1].split(end, 1)[0]
 
 
+def pages() -> dict[Path, list[str]]:
+    """README.md and every page under docs/ that holds figure blocks, with their names."""
+    found = {}
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]:
+        names = _MARK.findall(page.read_text())
+        if names:
+            found[page] = names
+    return found
+
+
 def write(data: dict[str, Any] | None = None) -> list[str]:
-    """Rewrite every page's block from `data` (default: latest.json); the pages that changed."""
+    """Rewrite every page's blocks from `data` (default: latest.json); the pages that changed."""
     data = data if data is not None else json.loads(LATEST.read_text())
     changed = []
-    for name, page in PAGES.items():
+    for page, names in pages().items():
         text = page.read_text()
-        new = _replace(text, name, render(name, data))
+        new = text
+        for name in names:
+            new = _replace(new, name, render(name, data))
         if new != text:
             page.write_text(new)
             changed.append(str(page.relative_to(ROOT)))
@@ -236,9 +336,13 @@ def write(data: dict[str, Any] | None = None) -> list[str]:
 
 
 def drift() -> list[str]:
-    """The pages whose block differs from latest.json."""
+    """The pages whose blocks differ from latest.json."""
     data = json.loads(LATEST.read_text())
-    return [str(p.relative_to(ROOT)) for n, p in PAGES.items() if block(p.read_text(), n) != render(n, data)]
+    return [
+        str(page.relative_to(ROOT))
+        for page, names in pages().items()
+        if any(block(page.read_text(), name) != render(name, data) for name in names)
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,13 +352,15 @@ def main(argv: list[str] | None = None) -> int:
         "--merge",
         nargs=2,
         metavar=("NAME", "FILE"),
-        help="replace latest.json's NAME figures (history, group_commit) with one benchmark's summary FILE",
+        help=f"replace latest.json's NAME figures ({', '.join(SECTIONS)}) with one benchmark's summary FILE",
     )
     args = parser.parse_args(argv)
     if args.merge:
         name, path = args.merge
         data = json.loads(LATEST.read_text())
-        data[name] = [{k: v for k, v in row.items() if k != "kind"} for row in _lines(Path(path))]
+        if name not in SECTIONS:
+            parser.error(f"--merge NAME: one of {', '.join(SECTIONS)}")
+        data[name] = section(Path(path))
         LATEST.write_text(json.dumps(data, indent=1) + "\n")
     if args.check:
         stale = drift()

@@ -121,7 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         ),
         run("Bytes per request and per record", ["benchmarks.bench_footprint"]),
         run("Message consumers (NATS JetStream)", ["benchmarks.bench_consumers"]),
-        run("Message consumers' throughput beside a bare consumer (target 0.80)", ["benchmarks.bench_consumer_rate"]),
+        run(
+            "Message consumers' throughput beside a bare consumer (target 0.80)",
+            ["benchmarks.bench_consumer_rate", "--summary", str(OUT / "consumer-rate.jsonl")],
+        ),
         run("Fingerprint rules per MiB", ["benchmarks.bench_fingerprint", "--sizes", "16384,1048576,4194304"]),
         run("Large Postgres table", ["benchmarks.bench_postgres_table", "--rows", str(args.rows)]),
         run(
@@ -147,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no instruction counts: apt-get install valgrind", flush=True)
     print("== Scale curve: python -m benchmarks.bench_scale --json", flush=True)
     scale = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_scale", "--json"],
+        [sys.executable, "-m", "benchmarks.bench_scale", "--json", "--summary", str(OUT / "scale.jsonl")],
         cwd=ROOT,
         capture_output=True,
         text=True,
