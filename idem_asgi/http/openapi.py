@@ -191,7 +191,11 @@ def _document(operation: dict[str, Any], route: Route, replay_header: str, link:
                     "schema": {"type": "string", "format": "http-date"},
                 }
     problem = {"schema": {"$ref": "#/components/schemas/IdempotencyProblem"}}
-    for code, text in _ANSWERS.items():
+    answers = dict(_ANSWERS)
+    if route.mismatch.status == 409:  # `mismatch_status=409`: the reused key is one more 409
+        del answers["422"]
+        answers["409"] = answers["409"][:-1] + ", or the key was reused with a different request."
+    for code, text in answers.items():
         entry = responses.setdefault(code, {"description": text})
         entry.setdefault("content", {})["application/problem+json"] = problem
         if link:

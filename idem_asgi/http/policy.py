@@ -114,6 +114,10 @@ class RoutePolicy:
     """Add `Idempotency-Expires: <HTTP-date>` to the first answer and to every replay: until when the
     stored answer is replayed (after it, the same key runs again). Never stored with the answer."""
 
+    mismatch_status: Literal[409, 422] = 422
+    """The status of `fingerprint-mismatch` (the key reused with another request): 422, as the IETF
+    draft asks, or 409 for protocols that ask for it (UCP). The problem body is the same either way."""
+
     on_expired: Literal["block", "reclaim"] = "block"
     """A lease that expired means the holder died with the outcome unknown. `block` answers
     `outcome-unknown` until the recover hook, the reconcile tool or the TTL resolves it;

@@ -15,6 +15,7 @@ docs/problems.md are both made from it (tools/problems_doc.py; a test compares t
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Final
@@ -150,7 +151,8 @@ FINGERPRINT_MISMATCH: Final = ProblemType(
     "Idempotency key reused with a different request",
     "This idempotency key was already used for a different request (method, path, query or body).",
     happened="This key was already used for a different request (a different method, path, query or body, as "
-    "far as the route's fingerprint compares them).",
+    "far as the route's fingerprint compares them). A route built with `mismatch_status=409` answers it with "
+    "409 (for protocols that ask for it), the same problem otherwise.",
     to_do="this is a client bug: one key must name one operation. Use a new key for a new operation; to "
     "repeat the old one, send its original request unchanged. Nothing ran. (One exception: right after a "
     "server upgrade that changed how a route compares bodies, such as the new `Fields` encoding, a retry of a "
@@ -169,6 +171,14 @@ OUTCOME_UNKNOWN: Final = ProblemType(
     "by its reference); the server resolves the record (its `recover` hook, or `idem-asgi reconcile`), after "
     "which a retry gets the real answer.",
 )
+MISMATCH_409: Final = dataclasses.replace(FINGERPRINT_MISMATCH, status=409)
+
+
+def mismatch(status: int) -> ProblemType:
+    """`fingerprint-mismatch` under the route's `mismatch_status`: one type, one body, two statuses."""
+    return MISMATCH_409 if status == 409 else FINGERPRINT_MISMATCH
+
+
 NOT_STORED: Final = ProblemType(
     "response-not-stored",
     409,

@@ -232,7 +232,7 @@ class Protected(ClaimSession):
                 assert isinstance(outcome, Existing) and outcome.record.response is not None
                 await self._replay(self._opened(outcome.record.response), outcome.record.expires_at)
         elif action is Action.MISMATCH:
-            raise Refused(problems.FINGERPRINT_MISMATCH, event=None)
+            raise Refused(route.mismatch, event=None)
         elif action is Action.IN_PROGRESS:
             raise Refused(problems.IN_PROGRESS, retry_after=route.retry_after, event=None)
         elif action is Action.EXPIRED:

@@ -14,6 +14,7 @@ from typing import Generic, TypeVar
 
 from .._types import Scope
 from ..errors import ConfigurationError
+from . import problems
 from .fingerprint import FingerprintRule, RawBody
 from .keys import ScopeFunc
 from .policy import RecoverHook, RoutePolicy, seconds
@@ -128,6 +129,7 @@ class Route:
         "max_body_digits",
         "max_stored_body",
         "methods",
+        "mismatch",
         "on_expired",
         "policy",
         "recover",
@@ -175,6 +177,9 @@ class Route:
         self.on_expired = policy.on_expired
         if self.on_expired not in ("block", "reclaim"):
             raise ConfigurationError(f"on_expired must be 'block' or 'reclaim', got {self.on_expired!r}")
+        if policy.mismatch_status not in (409, 422):
+            raise ConfigurationError(f"{where}: mismatch_status must be 409 or 422, got {policy.mismatch_status!r}")
+        self.mismatch = problems.mismatch(policy.mismatch_status)
         self.retry_after = policy.retry_after
         self.advertise_expiry = policy.advertise_expiry
         excluded = (policy.excluded_headers,) if isinstance(policy.excluded_headers, str) else policy.excluded_headers

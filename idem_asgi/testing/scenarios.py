@@ -165,7 +165,12 @@ async def storm_key(run: Storm, key: str, concurrency: int, repeats: int, mismat
     )
     if first is not None:
         unexpected(kr, "repeat", _stored, "replays of the first answer")
-    unexpected(kr, "mismatch", lambda a: a.label == "422 fingerprint-mismatch", "422 fingerprint-mismatch")
+    unexpected(
+        kr,
+        "mismatch",
+        lambda a: a.label in ("422 fingerprint-mismatch", "409 fingerprint-mismatch"),
+        "fingerprint-mismatch (422, or 409 on a route with mismatch_status=409)",
+    )
     return kr
 
 

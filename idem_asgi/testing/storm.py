@@ -54,8 +54,9 @@ async def storm(
         concurrency: Identical requests fired at once.
         repeats: Sequential repeats after the storm, and retries after each fault.
         faults: Which of `FAULTS` to inject.
-        mismatch: Also send the storm's key with a changed body (expects 422). Turn off for routes
-            whose fingerprint ignores the body (`event_id` webhooks).
+        mismatch: Also send the storm's key with a changed body (expects `fingerprint-mismatch`, 422
+            or the route's `mismatch_status`). Turn off for routes whose fingerprint ignores the
+            body (`event_id` webhooks).
         middleware: The `IdempotencyMiddleware` instance(s) serving `path`. Default: found in `app`.
         backend: The store to fail for `store_fails_after_claim`, when the middleware cannot be
             found (it is then patched on the instance for the duration of the storm).
