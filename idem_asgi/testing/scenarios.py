@@ -169,7 +169,7 @@ async def storm_key(run: Storm, key: str, concurrency: int, repeats: int, mismat
         kr,
         "mismatch",
         lambda a: a.label in ("422 fingerprint-mismatch", "409 fingerprint-mismatch"),
-        "fingerprint-mismatch (422, or 409 on a route with mismatch_status=409)",
+        "422 fingerprint-mismatch (409 with mismatch_status=409)",
     )
     return kr
 
