@@ -7,7 +7,7 @@ routing and cannot see templates.
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Literal
@@ -17,6 +17,7 @@ from ..errors import ConfigurationError
 from .fingerprint import FingerprintRule
 
 if TYPE_CHECKING:
+    from ..records import StoredResponse
     from .derived import KeySource
     from .keys import ScopeFunc
 
@@ -113,6 +114,15 @@ class RoutePolicy:
     advertise_expiry: bool = False
     """Add `Idempotency-Expires: <HTTP-date>` to the first answer and to every replay: until when the
     stored answer is replayed (after it, the same key runs again). Never stored with the answer."""
+
+    replay: Literal["stored", "current"] = "stored"
+    """What a repeat of a completed key gets: `stored`, the first answer byte for byte; `current`, the
+    current state of what it made, fetched with a `GET` of its `Location` through the app, under
+    the first answer's status (the stored answer when there is nothing to fetch or the fetch fails;
+    see `idem_asgi.http.current`)."""
+
+    locate: Callable[[StoredResponse], str | None] | None = None
+    """With `replay="current"`: the path of the resource a first answer made (default: its `Location`)."""
 
     mismatch_status: Literal[409, 422] = 422
     """The status of `fingerprint-mismatch` (the key reused with another request): 422, as the IETF

@@ -20,6 +20,7 @@ from email.utils import formatdate
 from typing import Final, Literal
 
 import anyio
+import msgspec
 
 from .._logging import redact, throttled
 from .._types import ASGIApp, Message, Receive, Scope, Send
@@ -29,7 +30,7 @@ from ..context import STATE_KEY, IdempotencyInfo, enter, leave
 from ..errors import BackendMisconfigured, StoreFull, WrongAnswer
 from ..records import Claimed, ClaimResult, Existing, Record, RecordKey, StoredResponse
 from ..transform import AnswerTransform, seal, unseal
-from . import problems
+from . import current, problems
 from .admission import Refused, parsed_key, request_scope, sentence
 from .asgi import (
     HIDDEN_EXTENSIONS,
@@ -346,7 +347,13 @@ class Protected(ClaimSession):
             ) from None
 
     async def _replay(self, response: StoredResponse, expires_at: float) -> None:
-        """Send the stored answer verbatim, marked as a replay (and, if asked, when it expires)."""
+        """Send the stored answer verbatim, marked as a replay (and, if asked, when it expires); on a
+        `replay="current"` route, the current state of what it made when the app can show it."""
+        route = self.route
+        if route.locate is not None:
+            if await self._current(response, expires_at):
+                return
+            response = msgspec.structs.replace(response, headers=[*response.headers, current.STORED])
         headers = [*response.headers, self.rt.replay_header]
         if self.route.advertise_expiry:
             headers.append(_expires(expires_at))
@@ -359,6 +366,25 @@ class Protected(ClaimSession):
         await self.send({"type": "http.response.body", "body": response.body, "more_body": False})
         if trail:
             await self.send({"type": "http.response.trailers", "headers": list(trailers or ()), "more_trailers": False})
+
+    async def _current(self, response: StoredResponse, expires_at: float) -> bool:
+        """Answer with the current state of what `response` made; False when there is none to give."""
+        route = self.route
+        assert route.locate is not None
+        fetched = await current.fetch_current(
+            self.rt.app, self.scope, response, route.locate, route.header, route.max_stored_body
+        )
+        if fetched is None:
+            return False
+        headers, body = fetched
+        headers = [(k, v) for k, v in headers if k not in route.excluded]
+        headers += [(k, v) for k, v in response.headers if k == b"location"]
+        headers += [(b"content-length", str(len(body)).encode("ascii")), current.CURRENT, self.rt.replay_header]
+        if route.advertise_expiry:
+            headers.append(_expires(expires_at))
+        await self.send({"type": "http.response.start", "status": response.status, "headers": headers})
+        await self.send({"type": "http.response.body", "body": body, "more_body": False})
+        return True
 
     # -- refusals ---------------------------------------------------------------------------------
 

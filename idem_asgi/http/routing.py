@@ -15,6 +15,7 @@ from typing import Generic, TypeVar
 from .._types import Scope
 from ..errors import ConfigurationError
 from . import problems
+from .current import location
 from .fingerprint import FingerprintRule, RawBody
 from .keys import ScopeFunc
 from .policy import RecoverHook, RoutePolicy, seconds
@@ -125,6 +126,7 @@ class Route:
         "key_source",
         "label",
         "lease",
+        "locate",
         "max_body",
         "max_body_digits",
         "max_stored_body",
@@ -177,6 +179,12 @@ class Route:
         self.on_expired = policy.on_expired
         if self.on_expired not in ("block", "reclaim"):
             raise ConfigurationError(f"on_expired must be 'block' or 'reclaim', got {self.on_expired!r}")
+        if policy.replay not in ("stored", "current"):
+            raise ConfigurationError(f"{where}: replay must be 'stored' or 'current', got {policy.replay!r}")
+        if policy.locate is not None and policy.replay != "current":
+            raise ConfigurationError(f"{where}: locate= is for replay='current' routes")
+        # replay="current": how to find what a first answer made (None: replay it as stored)
+        self.locate = (policy.locate or location) if policy.replay == "current" else None
         if policy.mismatch_status not in (409, 422):
             raise ConfigurationError(f"{where}: mismatch_status must be 409 or 422, got {policy.mismatch_status!r}")
         self.mismatch = problems.mismatch(policy.mismatch_status)
