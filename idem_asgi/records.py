@@ -45,6 +45,18 @@ class StoredResponse(msgspec.Struct, array_like=True, frozen=True, gc=False):
     sealed: bool = False
     """Stored through the middleware's `transform` (`idem_asgi.transform.seal`): only its `load` opens it.
     False for an answer stored in clear (no transform, or one written before it was turned on)."""
+    replay_for: float | None = None
+    """Seconds after completion the answer's bytes are replayed (the route's `replay_ttl`, when shorter
+    than its `ttl`); after them a store may shrink the record to its `tombstone()`. None: as long as
+    the record lives."""
+    tombstone: bool = False
+    """The answer's bytes are gone (its first horizon passed): only its status and `Location` remain,
+    and the record still refuses a second run of its key until it expires."""
+
+    def tombstoned(self) -> StoredResponse:
+        """What is kept of this answer after its first horizon: status, `Location`, nothing else."""
+        kept = [(k, v) for k, v in self.headers if k == b"location"] if not self.sealed else []
+        return StoredResponse(self.status, kept, b"", False, None, False, self.replay_for, True)
 
 
 class Record(msgspec.Struct, frozen=True, gc=False):

@@ -96,7 +96,12 @@ async def test_ddl_text_is_valid_and_can_run_twice(raw: asyncpg.Connection) -> N
     try:
         await raw.execute(backend.ddl)
         await raw.execute(backend.ddl)
-        assert await relations(raw, table) == [f"{table}_expires_idx", f"{table}_inflight_idx", f"{table}_pkey"]
+        assert await relations(raw, table) == [
+            f"{table}_expires_idx",
+            f"{table}_inflight_idx",
+            f"{table}_kept_idx",
+            f"{table}_pkey",
+        ]
         columns = await raw.fetch(
             "SELECT column_name, data_type FROM information_schema.columns WHERE table_name = $1", table
         )
@@ -148,7 +153,7 @@ async def test_custom_schema_table(raw: asyncpg.Connection) -> None:
             assert rec is not None and rec.response == RESPONSE
             assert await raw.fetchval(f'SELECT count(*) FROM "{schema}"."Records"') == 1
             indexes = await relations(raw, "Records", schema)
-            assert indexes == ["Records_expires_idx", "Records_inflight_idx", "Records_pkey"]
+            assert indexes == ["Records_expires_idx", "Records_inflight_idx", "Records_kept_idx", "Records_pkey"]
             assert await raw.fetchval("SELECT to_regclass('public.\"Records\"')") is None
     finally:
         await raw.execute(f'DROP SCHEMA "{schema}" CASCADE')
@@ -186,7 +191,7 @@ async def test_longest_table_name_keeps_distinct_index_names(raw: asyncpg.Connec
         try:
             await b.setup()
             indexes = await relations(raw, table)
-            assert len(indexes) == 3, indexes  # pkey, expires, inflight: none lost to truncation
+            assert len(indexes) == 4, indexes  # pkey, expires, inflight, kept: none lost to truncation
             assert isinstance(await b.claim(k(), b"fp", lease=30, ttl=DAY), Claimed)
         finally:
             await drop(b.table)

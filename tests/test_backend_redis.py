@@ -134,9 +134,10 @@ async def test_retried_claim_with_the_same_token_is_claimed_not_a_conflict(share
     other = await shared.claim(rk(), b"fp", lease=30, ttl=60)
     assert isinstance(other, Existing) and other.record.token == token
     # The same holds for a retried completion: still 1, and the record is the first answer.
-    blob_args = (token, encode_response(RESPONSE), 60_000)
-    assert await shared.client.evalsha(shared._complete.sha, 1, name, *blob_args) == 1
-    assert await shared.client.evalsha(shared._complete.sha, 1, name, *blob_args) == 1
+    blob_args = (token, encode_response(RESPONSE), 60_000, b"", 0)
+    names = shared._keys(rk())
+    assert await shared._call(shared._complete, names, *blob_args) == 1
+    assert await shared._call(shared._complete, names, *blob_args) == 1
     replay = await shared.claim(rk(), b"fp", lease=30, ttl=60)
     assert isinstance(replay, Existing) and replay.record.response == RESPONSE
 

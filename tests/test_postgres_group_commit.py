@@ -58,8 +58,9 @@ async def test_a_storm_over_many_keys_has_one_winner_per_key_and_goes_in_batches
 @pytest.mark.parametrize("implementation", ["lean", "asyncpg"])
 async def test_repeats_of_one_key_released_over_and_over_each_claim_it_in_turn(implementation: str) -> None:
     """30 callers of one key, each releasing the claim as soon as it wins (a transient 503): each one
-    claims it in turn and none runs out of tries. A key goes once per statement: two claims of it in
-    one batch saw neither's row, and a storm of repeats spent its five tries on itself."""
+    claims it in turn and none runs out of tries. Claims of one key in one batch: one wins and the
+    others get its claim (they used to see no row at all, and a storm of repeats of a released key
+    spent its five tries on itself, answering 503)."""
     store = await _store(implementation=implementation)
     key = RecordKey.build(f"group-{uuid.uuid4().hex}", None, "released")
     wins: list[int] = []
@@ -76,7 +77,7 @@ async def test_repeats_of_one_key_released_over_and_over_each_claim_it_in_turn(i
     try:
         await asyncio.wait_for(asyncio.gather(*(caller() for _ in range(30))), 30)
         assert len(wins) == len(set(wins)) == 30
-        assert max(store.batch_sizes["claim"]) == 1, "one key: never two of its claims in one statement"
+        assert max(store.batch_sizes["claim"]) > 1, "the key's claims met in one statement"
     finally:
         await store.aclose()
 

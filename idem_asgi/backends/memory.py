@@ -102,6 +102,8 @@ class MemoryBackend(ClosingMixin):
         self._replayed: dict[str, tuple[Record, Record]] = {}
         self._bytes = 0
         self._expiry: list[tuple[float, str]] = []
+        # (when, digest, token): completed answers to shrink to their tombstone (`replay_for`)
+        self._shrinks: list[tuple[float, str, int]] = []
         self._lock = threading.Lock()
         self.history = history
         self._histories: dict[str, tuple[tuple[Step, ...], float]] = {}  # digest -> (steps, expires at)
@@ -161,6 +163,8 @@ class MemoryBackend(ClosingMixin):
         expiry = self._expiry
         if expiry and expiry[0][0] <= now:
             self._expire(now, None)
+        if self._shrinks and self._shrinks[0][0] <= now:
+            self._shrink(now)
         if len(self._records) >= self.max_entries:
             raise StoreFull(f"memory store full: {len(self._records)} unexpired records (max_entries)")
         if self._bytes >= self.max_bytes:
@@ -190,6 +194,7 @@ class MemoryBackend(ClosingMixin):
                 len(records) >= self.max_entries
                 or self._bytes >= self.max_bytes
                 or (expiry and expiry[0][0] <= now)
+                or (self._shrinks and self._shrinks[0][0] <= now)
                 or (key.scope and key.scope in self._scopes)
             ):
                 self._admit(key, now)  # drops what expired, then checks every bound (StoreFull)
@@ -255,6 +260,8 @@ class MemoryBackend(ClosingMixin):
                     self._scopes[key.scope][1] += size
             if expires_at < rec.expires_at:  # sooner than the claim's entry says (a shorter TTL)
                 heapq.heappush(self._expiry, (expires_at, digest))
+            if response.replay_for is not None and response.replay_for < ttl and size:
+                heapq.heappush(self._shrinks, (now + response.replay_for, digest, token))
             # (later, the usual case: the claim's entry is pushed again when it comes up, in `_expire`)
             return True
 
@@ -292,6 +299,23 @@ class MemoryBackend(ClosingMixin):
         with self._lock:
             rec = self._live(key.digest, self._clock())
             return None if rec is None else self._answered(key.digest, rec)
+
+    def _shrink(self, now: float) -> None:
+        """Keep only the tombstone of each answer past its `replay_for` (its key still refuses)."""
+        heap, records = self._shrinks, self._records
+        while heap and heap[0][0] <= now:
+            _, digest, token = heapq.heappop(heap)
+            rec = records.get(digest)
+            if rec is None or rec.state != COMPLETED or rec.token != token or digest not in self._sizes:
+                continue  # expired, or another record of the key since
+            tomb = encode_response(decode_response(self._answers[digest]).tombstoned())
+            size = self._sizes.pop(digest)
+            self._answers[digest] = tomb
+            self._replayed.pop(digest, None)
+            self._bytes -= size
+            key = self._keys[digest]
+            if key.scope:
+                self._scopes[key.scope][1] -= size
 
     def _expire(self, now: float, limit: int | None) -> int:
         """Delete up to `limit` (None: all) records past their expiry, soonest first; returns how many."""
@@ -343,6 +367,7 @@ class MemoryBackend(ClosingMixin):
             total += deleted
             if deleted < batch_size:
                 with self._lock:
+                    self._shrink(self._clock())
                     self._forget_histories(self._clock(), expired_only=True)
                 return total
             await asyncio.sleep(0)

@@ -28,12 +28,16 @@ class Refused(Exception):
         *,
         retry_after: int | None = None,
         event: EventName | None = "rejected",
+        members: dict[str, object] | None = None,
+        headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         super().__init__(problem.slug)
         self.problem = problem
         self.detail = detail
         self.retry_after = retry_after
         self.event = event
+        self.members = members
+        self.headers = headers
 
 
 def sentence(text: str) -> str:

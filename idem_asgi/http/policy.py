@@ -115,6 +115,12 @@ class RoutePolicy:
     """Add `Idempotency-Expires: <HTTP-date>` to the first answer and to every replay: until when the
     stored answer is replayed (after it, the same key runs again). Never stored with the answer."""
 
+    replay_ttl: Duration | None = None
+    """How long after completion the answer's bytes are replayed, when shorter than `ttl` (e.g. 24 h
+    under a 30-day `ttl`): after it the store keeps a small tombstone that still refuses to run the
+    key again, and a repeat gets 409 `response-expired` (when and with which status it completed),
+    or the current state on a `replay="current"` route. None: the bytes live as long as the key."""
+
     replay: Literal["stored", "current"] = "stored"
     """What a repeat of a completed key gets: `stored`, the first answer byte for byte; `current`, the
     current state of what it made, fetched with a `GET` of its `Location` through the app, under

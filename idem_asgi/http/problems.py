@@ -188,6 +188,18 @@ NOT_STORED: Final = ProblemType(
     happened="The request with this key completed, but its answer was too large to keep, so it cannot be replayed.",
     to_do="the operation happened: fetch the current state of the resource instead of retrying.",
 )
+RESPONSE_EXPIRED: Final = ProblemType(
+    "response-expired",
+    409,
+    "Request completed; its answer is no longer kept",
+    "The request with this key completed; its answer was kept for the route's replay period and is gone. "
+    "Nothing ran again.",
+    happened="The request with this key completed (the problem says when, `completed_at`, and with which status, "
+    "`completed_status`; its `Location` header names what it made, when it made something). Its answer's bytes "
+    "are kept for the route's `replay_ttl` only; the key still refuses to run again until its `ttl` ends.",
+    to_do="the operation happened, once: do not retry it with this key. Fetch the resource it made (its "
+    "`Location`) for its current state. Nothing ran.",
+)
 KEY_QUOTA: Final = ProblemType(
     "key-quota-exceeded",
     429,
@@ -241,6 +253,7 @@ ALL: Final = (
     FINGERPRINT_MISMATCH,
     OUTCOME_UNKNOWN,
     NOT_STORED,
+    RESPONSE_EXPIRED,
     KEY_QUOTA,
     STORE_UNAVAILABLE,
     STORE_MISCONFIGURED,
@@ -257,19 +270,26 @@ async def send_problem(
     *,
     retry_after: int | None = None,
     base: str = DEFAULT_PROBLEM_BASE,
+    members: dict[str, object] | None = None,
+    headers: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
     """Send `problem` as a complete `application/problem+json` response, its `type` under `base`
-    (`located()` for a served path); a `Link` to it unless it is the default's bare identifier."""
+    (`located()` for a served path); a `Link` to it unless it is the default's bare identifier.
+    `members` are the problem's extension members (RFC 9457 3.2), `headers` more headers to send."""
     url = base + problem.slug
-    body = _encode({"type": url, "title": problem.title, "status": problem.status, "detail": detail or problem.detail})
-    headers = [
+    doc: dict[str, object] = {"type": url, "title": problem.title, "status": problem.status}
+    doc["detail"] = detail or problem.detail
+    body = _encode({**doc, **members} if members else doc)
+    sent = [
         (b"content-type", b"application/problem+json"),
         (b"content-length", str(len(body)).encode("ascii")),
         (b"cache-control", b"no-store"),
     ]
     if base != DEFAULT_PROBLEM_BASE:  # a page exists: the deployer's docs, or ours served by the middleware
-        headers.append((b"link", b"<" + url.encode("ascii", "replace") + b'>; rel="describedby"'))
+        sent.append((b"link", b"<" + url.encode("ascii", "replace") + b'>; rel="describedby"'))
     if retry_after is not None:
-        headers.append((b"retry-after", str(retry_after).encode("ascii")))
-    await send({"type": "http.response.start", "status": problem.status, "headers": headers})
+        sent.append((b"retry-after", str(retry_after).encode("ascii")))
+    if headers:
+        sent += headers
+    await send({"type": "http.response.start", "status": problem.status, "headers": sent})
     await send({"type": "http.response.body", "body": body, "more_body": False})

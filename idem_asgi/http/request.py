@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Awaitable, Container
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from email.utils import formatdate
 from typing import Final, Literal
 
@@ -122,6 +123,9 @@ class Protected(ClaimSession):
                 if self.rt.told:
                     self.emit("replayed")
                 stored = result.record.response
+                if route.replay_ttl is not None and result.now >= result.record.lease_until + route.replay_ttl:
+                    await self._after_horizon(result.record)  # its bytes' horizon passed: not replayed
+                    return
                 await self._replay(self._opened(stored) if stored.sealed else stored, result.record.expires_at)
             else:
                 await self._act(result)
@@ -134,6 +138,8 @@ class Protected(ClaimSession):
                 refusal.detail,
                 retry_after=refusal.retry_after,
                 base=problems.located(self.rt.problem_base, self.scope),
+                members=refusal.members,
+                headers=refusal.headers,
             )
 
     def _given(self) -> str | None:
@@ -231,6 +237,10 @@ class Protected(ClaimSession):
                 await self._replay(self._opened(outcome), time.time() + route.ttl)
             else:
                 assert isinstance(outcome, Existing) and outcome.record.response is not None
+                keep = route.replay_ttl
+                if keep is not None and outcome.now >= outcome.record.lease_until + keep:
+                    await self._after_horizon(outcome.record)
+                    return
                 await self._replay(self._opened(outcome.record.response), outcome.record.expires_at)
         elif action is Action.MISMATCH:
             raise Refused(route.mismatch, event=None)
@@ -238,8 +248,32 @@ class Protected(ClaimSession):
             raise Refused(problems.IN_PROGRESS, retry_after=route.retry_after, event=None)
         elif action is Action.EXPIRED:
             raise Refused(problems.OUTCOME_UNKNOWN, event="outcome_unknown")
+        elif (
+            isinstance(outcome, Existing) and outcome.record.response is not None and outcome.record.response.tombstone
+        ):
+            await self._after_horizon(outcome.record)
         else:
             raise Refused(problems.NOT_STORED, event=None)
+
+    async def _after_horizon(self, record: Record) -> None:
+        """A completed key whose answer is past the route's `replay_ttl` (shrunk to its tombstone, or
+        not yet): its current state on a `replay="current"` route, else 409 `response-expired`
+        saying when and how it completed. Never a run: the key refuses until its `ttl` ends."""
+        response = record.response
+        assert response is not None
+        tomb = response if response.tombstone else response.tombstoned()
+        if self.route.locate is not None and await self._current(tomb, record.expires_at):
+            return
+        done, until = _iso(record.lease_until), _iso(record.expires_at)
+        kept = f"{self.route.replay_ttl or response.replay_for or 0:g} s"
+        raise Refused(
+            problems.RESPONSE_EXPIRED,
+            f"The request with this key completed at {done} with status {tomb.status}; its answer was kept "
+            f"{kept} and is gone. The key refuses another run until {until}. Nothing ran again.",
+            event=None,
+            members={"completed_at": done, "completed_status": tomb.status, "expires_at": until},
+            headers=list(tomb.headers),
+        )
 
     async def _recover(self, record: Record) -> StoredResponse | Literal["run"] | None:
         """An expired lease: the route's recover hook says what happened (or `reclaim` runs it again)."""
@@ -307,6 +341,8 @@ class Protected(ClaimSession):
         self.stop()
         if response.status in self.route.release_statuses:
             return self.end(response.status, keep=self.effect)
+        if self.route.replay_ttl is not None:  # its bytes are replayed this long; the key refuses for its ttl
+            response = msgspec.structs.replace(response, replay_for=self.route.replay_ttl)
         if self.rt.transform is None:
             return self.complete(response, response.status)
         try:
@@ -403,6 +439,11 @@ async def _nothing() -> None:
 
 
 EXPIRES_HEADER: Final = b"idempotency-expires"
+
+
+def _iso(at: float) -> str:
+    """An instant as RFC 3339 UTC, to the second."""
+    return datetime.fromtimestamp(at, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 def _expires(at: float) -> tuple[bytes, bytes]:

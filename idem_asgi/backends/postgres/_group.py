@@ -8,9 +8,6 @@ and one commit for the lot. Three rules keep a batch as safe as its rows sent on
 - rows are sorted by key, so two batches that touch overlapping keys lock them in one order and
   never deadlock;
 - results are matched to their callers by token (each claim's own, unique), never by position;
-- a key goes once per statement: a second call for it waits for the next batch, whose snapshot
-  sees the first one's row (in one statement it could see neither its own row nor the other's,
-  and a storm of repeats of one released key spent its tries on itself);
 - one bad row fails the whole statement, so a batch that fails on its data (not on the store being
   unavailable) is sent again row by row, and only the bad row's caller gets the error.
 
@@ -49,8 +46,7 @@ class Group(Generic[Row]):
 
     `one(args)` runs the one-row statement; `many(batch)` the batched one, answering each row's
     result by its token (`args[token_at]`) or leaving it out (the caller then gets None, as from
-    a one-row statement that lost a race it could not see). Each call's args begin with its
-    record's (namespace, scope, key) columns.
+    a one-row statement that lost a race it could not see).
     """
 
     __slots__ = ("_ids", "_lanes", "_many", "_one", "_queue", "_tasks", "_timer", "_token_at", "sizes", "split")
@@ -108,7 +104,7 @@ class Group(Generic[Row]):
             self._timer = None
         if not queued:
             return
-        batch, rest = _one_per_key(queued)
+        batch, rest = queued[:MAX_BATCH], queued[MAX_BATCH:]
         self._queue.extend(rest)
         lane = self._open()
         task = asyncio.get_running_loop().create_task(self._send(lane, batch))
@@ -180,21 +176,6 @@ class Group(Generic[Row]):
         """Wait for the batches on the wire (their callers are owed an answer)."""
         while self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
-def _one_per_key(queued: list[Waiting]) -> tuple[list[Waiting], list[Waiting]]:
-    """The next batch (at most MAX_BATCH calls, one per key, in arrival order) and what waits."""
-    batch: list[Waiting] = []
-    rest: list[Waiting] = []
-    keys: set[Args] = set()
-    for waiting in queued:
-        key = waiting[0][:3]
-        if key in keys or len(batch) == MAX_BATCH:
-            rest.append(waiting)
-        else:
-            keys.add(key)
-            batch.append(waiting)
-    return batch, rest
 
 
 def _copy(exc: BackendUnavailable) -> BackendUnavailable:

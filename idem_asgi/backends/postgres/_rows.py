@@ -44,7 +44,10 @@ def record_of(row: Any) -> Record:
     response = None
     if state == b"c" and row[6] is not None:
         trailers = None if row[12] is None else _headers_decode(row[12])
-        response = StoredResponse(row[6], _headers_decode(row[7]), row[8], row[9], trailers, bool(row[14]))
+        if row[8] is None:  # shrunk to its tombstone (its replay_ttl passed): status and kept headers
+            response = StoredResponse(row[6], _headers_decode(row[7]), b"", False, tombstone=True)
+        else:
+            response = StoredResponse(row[6], _headers_decode(row[7]), row[8], row[9], trailers, bool(row[14]))
     return Record(
         COMPLETED if state == b"c" else IN_PROGRESS,
         row[2],

@@ -110,7 +110,7 @@ class Setup(RawKeyRecord):
         # (and the newest column: tables made by earlier releases get it from the DDL's ALTER)
         exists += (
             " AND (SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($1)"
-            " AND attname IN ('watched', 'sealed_key')) = 2"
+            " AND attname IN ('watched', 'sealed_key', 'kept_until', 'kept')) = 4"
         )
         if await conn.fetchval(exists, *relations, timeout=self.timeout):
             return  # nothing to do, and no lock taken on a table that is serving

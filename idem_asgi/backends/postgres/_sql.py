@@ -35,6 +35,8 @@ CREATE TABLE IF NOT EXISTS {table} (
     watched     boolean,                         -- a repeat held in another process waits for this claim's end
                                                  -- (watch): the end is NOTIFYed on the table's channel
     sealed_key  text,                            -- scope and key sealed with IDEM_ASGI_KEY_SECRET (NULL: none set)
+    kept_until  timestamptz,                     -- when the answer's bytes go (replay_ttl); purge() then keeps
+    kept        bytea,                           -- its tombstone: these headers (its Location), no body
     PRIMARY KEY (namespace, scope, key)          -- (namespace '', key E'\\x1fstore_keys': the settings row of
 );                                               -- an app with store_keys=True; migrate keeps raw keys then)
 ALTER TABLE {table} ADD COLUMN IF NOT EXISTS checkpoint text;
@@ -43,8 +45,11 @@ ALTER TABLE {table} ADD COLUMN IF NOT EXISTS ttl float8;
 ALTER TABLE {table} ADD COLUMN IF NOT EXISTS sealed boolean;
 ALTER TABLE {table} ADD COLUMN IF NOT EXISTS watched boolean;
 ALTER TABLE {table} ADD COLUMN IF NOT EXISTS sealed_key text;
+ALTER TABLE {table} ADD COLUMN IF NOT EXISTS kept_until timestamptz;
+ALTER TABLE {table} ADD COLUMN IF NOT EXISTS kept bytea;
 CREATE INDEX IF NOT EXISTS {expires_index} ON {table} (expires_at);
 CREATE INDEX IF NOT EXISTS {inflight_index} ON {table} (lease_until) WHERE state <> 'c';
+CREATE INDEX IF NOT EXISTS {kept_index} ON {table} (kept_until) WHERE kept_until IS NOT NULL;
 """
 
 _COLUMNS: Final = (
@@ -96,6 +101,7 @@ class Statements:
         "opening",
         "purge",
         "release",
+        "shrink",
         "stale",
         "takeover",
         "watch",
@@ -144,8 +150,9 @@ SELECT false, state, fingerprint, token, lease_until, expires_at, status, header
 FROM cur WHERE NOT free
 """
         # The same claim for many keys at once (group commit), over arrays sorted by key; each result
-        # row carries its claim's token last. Group sends each key once per statement; a key given
-        # twice anyway would be claimed once, the other call finding no row and running again.
+        # row carries its claim's token last. A key given twice is claimed once: the other calls get
+        # the claim just made (`won`, from what the insert or takeover returned), as a later
+        # statement would show it, not a lost race (their tries are not spent on each other).
         self.claim_many = f"""
 WITH q AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::int8[], $6::float8[], $7::float8[],
@@ -160,7 +167,7 @@ WITH q AS (
     FROM q WHERE NOT EXISTS (SELECT 1 FROM cur WHERE cur.asked = q.token)
     ORDER BY q.namespace, q.scope, q.key
     ON CONFLICT (namespace, scope, key) DO NOTHING
-    RETURNING token
+    RETURNING namespace, scope, key, fingerprint, token, lease_until, expires_at, ttl
 ), upd AS (
     UPDATE {t} AS r SET sealed_key = q.sealed_key, state = 'p', fingerprint = q.fingerprint, token = q.token,
         created_at = now(), ttl = q.ttl, lease_until = now() + q.lease * interval '1 second',
@@ -169,13 +176,18 @@ WITH q AS (
     FROM q
     WHERE r.namespace = q.namespace AND r.scope = q.scope AND r.key = q.key
       AND EXISTS (SELECT 1 FROM cur WHERE cur.asked = q.token AND free) AND {free}
-    RETURNING q.token
+    RETURNING r.namespace, r.scope, r.key, r.fingerprint, r.token, r.lease_until, r.expires_at, r.ttl
+), won AS (
+    SELECT * FROM ins UNION ALL SELECT * FROM upd
 )
 SELECT true, NULL::"char", NULL::bytea, NULL::bigint, NULL::float8, NULL::float8, NULL::integer, NULL::bytea,
        NULL::bytea, NULL::boolean, NULL::float8, NULL::text, NULL::bytea, NULL::float8, NULL::boolean, token
-FROM ins
+FROM won
 UNION ALL
-SELECT true, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, token FROM upd
+SELECT false, 'p', w.fingerprint, w.token, extract(epoch from w.lease_until)::float8,
+       extract(epoch from w.expires_at)::float8, NULL, NULL, NULL, NULL, extract(epoch from now())::float8, NULL,
+       NULL, w.ttl, NULL, q.token
+FROM q JOIN won AS w ON w.namespace = q.namespace AND w.scope = q.scope AND w.key = q.key AND w.token <> q.token
 UNION ALL
 SELECT false, state, fingerprint, token, lease_until, expires_at, status, headers, body, replayable, now, checkpoint,
        trailers, ttl, sealed, asked
@@ -212,26 +224,28 @@ WHERE NOT EXISTS (SELECT 1 FROM cur WHERE live)
         self.complete = _telling(
             f"""
 UPDATE {t} SET state = 'c', status = $5, headers = $6, body = $7, replayable = $8, trailers = $10,
-    sealed = $11, lease_until = now(), expires_at = now() + $9::float8 * interval '1 second'
+    sealed = $11, lease_until = now(), expires_at = now() + $9::float8 * interval '1 second',
+    kept_until = now() + $12::float8 * interval '1 second', kept = $13
 WHERE {where}""",
-            12,
+            14,
         )
         # The same completion for many claims at once (group commit), fenced by each one's token;
         # answers the tokens it completed, and tells each watched one's watcher.
         self.complete_many = f"""
 WITH q AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::int8[], $5::int4[], $6::bytea[], $7::bytea[],
-                         $8::bool[], $9::float8[], $10::bytea[], $11::bool[], $12::text[])
-        AS q(namespace, scope, key, token, status, headers, body, replayable, ttl, trailers, sealed, digest)
+                         $8::bool[], $9::float8[], $10::bytea[], $11::bool[], $12::float8[], $13::bytea[], $14::text[])
+        AS q(namespace, scope, key, token, status, headers, body, replayable, ttl, trailers, sealed, keep, kept, digest)
 ), u AS (
     UPDATE {t} AS r SET state = 'c', status = q.status, headers = q.headers, body = q.body, replayable = q.replayable,
-        trailers = q.trailers, sealed = q.sealed, lease_until = now(), expires_at = now() + q.ttl * interval '1 second'
+        trailers = q.trailers, sealed = q.sealed, lease_until = now(), expires_at = now() + q.ttl * interval '1 second',
+        kept_until = now() + q.keep * interval '1 second', kept = q.kept
     FROM q
     WHERE r.namespace = q.namespace AND r.scope = q.scope AND r.key = q.key AND r.token = q.token
       AND r.state IN ('p', 't', 'e', 'f')
     RETURNING q.token, r.watched, q.digest
 )
-SELECT token, CASE WHEN watched THEN pg_notify($13, digest)::text END FROM u
+SELECT token, CASE WHEN watched THEN pg_notify($15, digest)::text END FROM u
 """
         # Never release a record whose effect committed ('e'): a retry must not run it again.
         self.release = _telling(f"DELETE FROM {t} WHERE {held} AND state IN ('p', 't')", 5)
@@ -276,6 +290,14 @@ SELECT false, {_COLUMNS} FROM {t} WHERE namespace = $1 AND scope = $2 AND key = 
 DELETE FROM {t} WHERE ctid = ANY(ARRAY(
     SELECT ctid FROM {t} WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED
 )) AND expires_at <= now()"""
+        # The answers past their first horizon (replay_ttl) shrink to their tombstone: status and the
+        # kept headers, no body. The key still refuses until expires_at; a read tells a tombstone by
+        # its NULL body. Batched and lock-skipping as purge is, through the kept_until index.
+        self.shrink = f"""
+UPDATE {t} SET headers = kept, body = NULL, trailers = NULL, replayable = false, kept = NULL, kept_until = NULL
+WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM {t} WHERE kept_until <= now() LIMIT $1 FOR UPDATE SKIP LOCKED
+)) AND kept_until <= now() AND state = 'c'"""
         self.stale = f"""
 SELECT false, {_COLUMNS}, namespace, scope, key, sealed_key FROM {t}
 WHERE state <> 'c' AND lease_until <= now() - $1::float8 * interval '1 second' AND expires_at > now()

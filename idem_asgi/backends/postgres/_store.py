@@ -91,12 +91,13 @@ class PostgresBackend(Watching, ClosingMixin):
         self._indexes = {
             "expires_index": index_name(parts[-1], "expires_idx"),
             "inflight_index": index_name(parts[-1], "inflight_idx"),
+            "kept_index": index_name(parts[-1], "kept_idx"),
             "history_index": index_name(parts[-1], "history_idx"),
         }
         schema = f'"{parts[0]}".' if len(parts) == 2 else ""
         self.history_table = schema + index_name(parts[-1], "history")
         names = {k: schema + v for k, v in self._indexes.items()}
-        self._relations = [self.table, names["expires_index"], names["inflight_index"]]
+        self._relations = [self.table, names["expires_index"], names["inflight_index"], names["kept_index"]]
         # (what `history` needs besides: asked for only when it is on, so an app without it never
         # needs the right to create a table its role may not, on an upgrade)
         self._history_relations = [self.history_table, names["history_index"]]
@@ -215,7 +216,7 @@ class PostgresBackend(Watching, ClosingMixin):
     async def _complete_one(self, args: Args) -> tuple[bool, bool]:
         pool = await self._get_pool()
         changed, retried = await self._runner.run_again(
-            pool, "fetchval", self.sql.complete, *args[:11], self._channel, args[11]
+            pool, "fetchval", self.sql.complete, *args[:13], self._channel, args[13]
         )
         return changed == 1, retried
 
@@ -293,6 +294,7 @@ class PostgresBackend(Watching, ClosingMixin):
             float(ttl),
             trailers,
             response.sealed or None,
+            *_kept(response, ttl),
             key.digest,
         )
         changed, retried = await self._completions.run((*args, *payload))
@@ -381,6 +383,12 @@ class PostgresBackend(Watching, ClosingMixin):
             total += deleted
             batches += 1
             if deleted < batch_size:
+                break
+        batches = 0  # and the answers past their replay_ttl, to their tombstones (not counted: not deleted)
+        while max_batches is None or batches < max_batches:
+            status = await self._runner.run(pool, "execute", self.sql.shrink, batch_size)
+            batches += 1
+            if int(status.rpartition(" ")[2]) < batch_size:
                 break
         batches = 0  # and the histories past their expiry, by the same rule (not counted: not records)
         while (max_batches is None or batches < max_batches) and await self._has_history(pool):
@@ -483,3 +491,12 @@ class PostgresBackend(Watching, ClosingMixin):
         if self._owned and self._pool is not None:
             pool, self._pool = self._pool, None
             await pool.close()
+
+
+def _kept(response: StoredResponse, ttl: float) -> tuple[float | None, bytes | None]:
+    """(seconds the answer's bytes stay, its tombstone's headers) when they go before the key does
+    (`replay_for` under `ttl`), else (None, None): kept as long as the record."""
+    keep = response.replay_for
+    if keep is None or keep >= ttl or not response.replayable:
+        return None, None
+    return float(keep), _headers_encode(response.tombstoned().headers)

@@ -28,22 +28,23 @@ def _source(script: Any) -> tuple[str, bytes | str]:
 
 
 async def run_then_wait(
-    client: Any, lean: Any, script: Any, name: str, args: tuple[Any, ...], wait: tuple[str, int, int]
+    client: Any, lean: Any, script: Any, name: str | tuple[str, ...], args: tuple[Any, ...], wait: tuple[str, int, int]
 ) -> tuple[Any, int]:
     """The script's reply and the number of replicas that confirmed it (and every earlier write
     on that connection): `wait` is `("WAIT", replicas, timeout_ms)`. Raises what the script raised."""
+    names = (name,) if isinstance(name, str) else name
     for attempt in (1, 2):
         sha, source = _source(script)
         # The first call of a script sends its source (EVAL caches it on the server): a NOSCRIPT
         # after a WAIT would cost the replicas' timeout twice when they are down.
         if getattr(script, "idem_sent", False):
-            evalsha: tuple[Any, ...] = ("EVALSHA", sha, 1, name, *args)
+            evalsha: tuple[Any, ...] = ("EVALSHA", sha, len(names), *names, *args)
         else:
-            evalsha = ("EVAL", source, 1, name, *args)
+            evalsha = ("EVAL", source, len(names), *names, *args)
         if lean is not None:
             reply, acked = await lean.execute_many(evalsha, wait)
         elif hasattr(client, "nodes_manager"):
-            reply, acked = await _on_shard(client, name, evalsha, wait)
+            reply, acked = await _on_shard(client, names[0], evalsha, wait)
         else:
             pipe = client.pipeline(transaction=False)
             pipe.execute_command(*evalsha)

@@ -8,6 +8,11 @@ the claim (its end is then published on the backend's channel). Replies with a r
 otherwise its size (an integer): a big answer is then read alone, on a connection of its own (see
 `RedisBackend._whole`), so it never holds the small replies behind it on the shared connection.
 
+A completed answer kept for less than its record (`StoredResponse.replay_for`) is written to the
+record, which then expires with it, and as a tombstone, `{prefix}t{<digest>}` (KEYS[2], fields
+`f t l e r x`, `r` the tombstone's blob), which expires with the key: a claim or read that finds no
+record answers the tombstone, so the key refuses a second run until its TTL ends.
+
 A stored token equal to the caller's is the caller's own claim only while that record is in
 progress (`p`) with the caller's fingerprint: the same command run again after its reply was lost.
 Tokens are drawn from the OS's randomness, so nothing else carries it; a completed or failed record
@@ -20,6 +25,14 @@ from typing import Final
 
 APART: Final = 256 * 1024
 """Answers above this many bytes are not in a script's reply: the caller reads them alone."""
+
+# No record: its tombstone, if its answer expired before it (KEYS[2]), as a completed record.
+_TOMBSTONE: Final = """
+if not cur[1] and KEYS[2] then
+  local tomb = redis.call('HMGET', KEYS[2], 'f', 't', 'l', 'e', 'r', 'x')
+  if tomb[1] then return {TOMB, now, 'c', tomb[1], tomb[2], tomb[3], tomb[4], tomb[5], tomb[6]} end
+end
+"""
 
 # The record's fields as replies carry them: `cur` as HMGET of s, f, t, l, e, x; then `r`, the
 # blob or, above APART bytes, its size.
@@ -34,11 +47,12 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# KEYS[1]; ARGV: fingerprint, token, lease_ms, ttl_ms, namespace, scope, key (the last three optional:
-# only `stale()` reads them)
+# KEYS[1], its tombstone; ARGV: fingerprint, token, lease_ms, ttl_ms, namespace, scope, key (the last
+# three optional: only `stale()` reads them)
 CLAIM: Final = (
     _NOW
     + _CURRENT
+    + _TOMBSTONE.replace("TOMB", "0")
     + """
 if cur[1] then
   -- Our own claim only as it was made: this command run again after its reply was lost.
@@ -82,19 +96,28 @@ def _telling(at: int) -> str:
     return _TELL.replace("CH", str(at))
 
 
-# KEYS[1]; ARGV: token, response blob, ttl_ms, channel (optional)
+# KEYS[1], its tombstone; ARGV: token, response blob, ttl_ms, tombstone blob ('' for none: the
+# answer lives as long as the record), the answer's own ms (replay_for), channel (optional)
 COMPLETE: Final = (
     _NOW
     + """
-local cur = redis.call('HMGET', KEYS[1], 's', 't')
+local cur = redis.call('HMGET', KEYS[1], 's', 't', 'f', 'x')
 if cur[2] ~= ARGV[1] then return 0 end
 -- Completed already (a retried write): write the state again, so a WAIT behind this call
 -- covers the record (durable claims).
 if cur[1] == 'c' then redis.call('HSET', KEYS[1], 's', 'c') return 1 end
 redis.call('HSET', KEYS[1], 's', 'c', 'r', ARGV[2], 'l', now, 'e', now + ARGV[3])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
+if KEYS[2] and ARGV[4] and ARGV[4] ~= '' then
+  redis.call('DEL', KEYS[2])
+  redis.call('HSET', KEYS[2], 'f', cur[3], 't', ARGV[1], 'l', now, 'e', now + ARGV[3], 'r', ARGV[4],
+    'x', cur[4] or ARGV[3])
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+  redis.call('PEXPIRE', KEYS[1], ARGV[5])
+else
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+end
 """
-    + _telling(4)
+    + _telling(6)
     + """
 return 1
 """
@@ -162,10 +185,11 @@ redis.call('HSET', KEYS[1], 'w', '1')
 return 1
 """
 
-# KEYS[1]
+# KEYS[1], its tombstone
 READ: Final = (
     _NOW
     + _CURRENT
+    + _TOMBSTONE.replace("TOMB", "1")
     + """
 if not cur[1] then return {0, now} end
 return {1, now, cur[1], cur[2], cur[3], cur[4], cur[5], r, cur[6]}

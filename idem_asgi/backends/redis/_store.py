@@ -247,7 +247,13 @@ class RedisBackend(Tools, ClosingMixin):
     def _key(self, key: RecordKey) -> str:
         return f"{self.prefix}{{{key.digest}}}"
 
-    async def _call(self, script: Any, name: str, *args: Any) -> Any:
+    def _keys(self, key: RecordKey) -> tuple[str, str]:
+        """The record and its tombstone (`{prefix}t{<digest>}`: same slot, outside the record scan),
+        which keeps a completed key refusing after its answer's own expiry (`replay_for`)."""
+        return f"{self.prefix}{{{key.digest}}}", f"{self.prefix}t{{{key.digest}}}"
+
+    async def _call(self, script: Any, name: str | tuple[str, ...], *args: Any) -> Any:
+        keys = [name] if isinstance(name, str) else list(name)
         try:
             if self._closed:
                 raise BackendUnavailable(CLOSED)
@@ -255,16 +261,16 @@ class RedisBackend(Tools, ClosingMixin):
                 await self._start()
             if self._lean is not None:
                 try:
-                    return await script(keys=[name], args=args)
+                    return await script(keys=keys, args=args)
                 except redis_errors.ConnectionError as exc:
                     if not retried(exc):
                         raise
                     # A restarted server drops the connection. Every script is idempotent for its caller's token.
-                    return await script(keys=[name], args=args)
+                    return await script(keys=keys, args=args)
             if self._slots is None:
-                return await script(keys=[name], args=args)
+                return await script(keys=keys, args=args)
             async with self._slot():
-                return await script(keys=[name], args=args)
+                return await script(keys=keys, args=args)
         except CAUGHT as exc:  # DRIVER_ERRORS inline: a `with` costs 0.3 us on every request's calls
             raise wrapped(exc) from exc
 
@@ -285,13 +291,14 @@ class RedisBackend(Tools, ClosingMixin):
         if self.store_keys and not self._raw_recorded:
             await self.record_raw_keys()  # before the first record with names: `migrate` keeps them
         token = new_token()
-        name = self._key(key)
+        names = self._keys(key)
+        name = names[0]
         args = (fingerprint, token, _ms(lease), _ms(ttl), *self._names(key))
         try:
             if self.durable_replicas:
-                reply, acked = await self._call_durable(self._claim, name, *args)
+                reply, acked = await self._call_durable(self._claim, names, *args)
             else:
-                reply, acked = await self._call(self._claim, name, *args), 0
+                reply, acked = await self._call(self._claim, names, *args), 0
         except BaseException:
             # No answer, so the caller will not run the app; the claim may still land.
             self._orphans.add((name, token), ttl)
@@ -320,7 +327,7 @@ class RedisBackend(Tools, ClosingMixin):
             return None
         return [*reply[:7], blob, reply[8]]
 
-    async def _call_durable(self, script: Any, name: str, *args: Any) -> tuple[Any, int]:
+    async def _call_durable(self, script: Any, name: str | tuple[str, ...], *args: Any) -> tuple[Any, int]:
         """`_call`, and how many replicas confirmed the write (`WAIT` behind it, same connection)."""
         async with self._tool_call():  # the same mapping, closed check, start and slot as the tools
             wait = ("WAIT", self.durable_replicas, self._durable_ms)
@@ -378,10 +385,15 @@ class RedisBackend(Tools, ClosingMixin):
 
     async def complete(self, key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
         blob = encode_response(response)
-        args = (token, blob, _ms(ttl), *self._channel)
+        keep = response.replay_for
+        if keep is not None and keep < ttl:  # the answer expires first; its tombstone keeps the key refusing
+            shorter: tuple[Any, ...] = (encode_response(response.tombstoned()), _ms(keep))
+        else:
+            shorter = (b"", 0)
+        args = (token, blob, _ms(ttl), *shorter, *self._channel)
         if not self.durable_replicas:
-            return bool(await self._call(self._complete, self._key(key), *args))
-        stored, acked = await self._call_durable(self._complete, self._key(key), *args)
+            return bool(await self._call(self._complete, self._keys(key), *args))
+        stored, acked = await self._call_durable(self._complete, self._keys(key), *args)
         if stored and acked < self.durable_replicas:
             # Written on the primary only: raise, so the middleware writes it again in the
             # background until the replicas confirm it (the script rewrites a completed record
@@ -428,8 +440,9 @@ class RedisBackend(Tools, ClosingMixin):
             await warn_on_replication(self.client, self.durable_replicas, self.timeout)
 
     async def get(self, key: RecordKey) -> Record | None:
-        name = self._key(key)
-        reply = await self._call(self._read, name)
+        names = self._keys(key)
+        name = names[0]
+        reply = await self._call(self._read, names)
         if reply[0] != 1:
             return None
         whole = await self._whole(name, reply)
