@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LATEST = ROOT / "benchmarks" / "latest.json"
 SECTIONS = {"group_commit": "group-commit.jsonl", "history": "history.jsonl", "scale": "scale.jsonl"}
 SECTIONS["consumers"] = "consumer-rate.jsonl"
+SECTIONS["horizons"] = "horizons.jsonl"
 """latest.json's sections written from one benchmark's `--summary` file each (`--merge NAME FILE`)."""
 _MARK = re.compile(r"<!-- figures:([\w-]+) -->\n")
 
@@ -267,7 +268,29 @@ def _us(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
 
-BLOCKS = {"scale": _scale, "consumers": _consumers}
+def _horizons(data: dict[str, Any]) -> list[str]:
+    rows = _rows(data, "horizons", "horizon")
+    if not rows:
+        return ["No horizon figures in `benchmarks/latest.json` yet: `python3 dev.py bench`."]
+    r0 = rows[0]
+    out = [
+        f"Bytes per key before and after the answer's horizon (`python -m benchmarks.bench_horizons`, run "
+        f"{r0['run']}, {r0['keys']:,} payment answers of a {r0['body']}-byte JSON body with `Content-Type`, "
+        "`Location` and a request id), and what a 30-day key window holds at 1,000,000 new keys a day:",
+        "",
+        "| store | bytes per key, answer kept | bytes per key, tombstone | 30 days, `ttl` only | 30 days, "
+        "`replay_ttl=24h` |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {NAMES.get(r['store'], r['store'])} | {r['full_bytes']:,} | {r['tombstone_bytes']:,} "
+            f"| {r['gb_one_horizon']:.1f} GB | {r['gb_two_horizons']:.1f} GB |"
+        )
+    return out
+
+
+BLOCKS = {"scale": _scale, "consumers": _consumers, "horizons": _horizons}
 """Blocks any page may hold, besides the README's and docs/benchmarks.md's standing ones."""
 
 

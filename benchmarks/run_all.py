@@ -120,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
             ["benchmarks.bench_history", "--summary", str(OUT / "history.jsonl")],
         ),
         run("Bytes per request and per record", ["benchmarks.bench_footprint"]),
+        run(
+            "Bytes per key before and after replay_ttl",
+            ["benchmarks.bench_horizons", "--summary", str(OUT / "horizons.jsonl")],
+        ),
         run("Message consumers (NATS JetStream)", ["benchmarks.bench_consumers"]),
         run(
             "Message consumers' throughput beside a bare consumer (target 0.80)",

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support.servers import REDIS_URL, require
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,3 +90,40 @@ def test_the_history_benchmark_writes_the_figures_the_pages_show(tmp_path: Path)
     assert row["store"] == "memory" and row["lost"] == 0 and row["floor_new_key_cpu_us"] > 0
     text = "\n".join(figures._history({"history": [{k: v for k, v in row.items() if k != "kind"}]}))
     assert "| memory | x" in text
+
+
+@pytest.mark.parametrize("store", ["memory", "redis", "postgres"])
+def test_the_horizons_benchmark_measures_a_tombstone_smaller_than_its_answer(tmp_path: Path, store: str) -> None:
+    """A tiny run of `benchmarks.bench_horizons` per store: it finds every record shrunk (it asserts
+    so itself on Redis) and a tombstone smaller than the answer it replaced; its row renders."""
+    import json
+
+    from benchmarks import figures
+
+    if store != "memory":
+        from tests.support.servers import POSTGRES_DSN
+
+        require(store, REDIS_URL if store == "redis" else POSTGRES_DSN)
+    summary = tmp_path / "horizons.jsonl"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_horizons",
+            "--stores",
+            store,
+            "--keys",
+            "50",
+            "--summary",
+            str(summary),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    (row,) = [json.loads(line) for line in summary.read_text().splitlines()]
+    assert row["store"] == store and 0 < row["tombstone_bytes"] < row["full_bytes"] / 1.5, row
+    assert row["gb_two_horizons"] < row["gb_one_horizon"]
+    assert f"| {figures.NAMES[store]} | " in "\n".join(figures._horizons({"horizons": [row]}))

@@ -159,9 +159,7 @@ class Route:
             raise ConfigurationError(f"{where}: lease ({self.lease}s) exceeds ttl ({self.ttl}s)")
         replay_ttl = self.ttl if policy.replay_ttl is None else seconds(policy.replay_ttl)
         if not 0 < replay_ttl <= self.ttl:
-            raise ConfigurationError(
-                f"{where}: replay_ttl ({replay_ttl}s) must be over 0 and at most ttl ({self.ttl}s)"
-            )
+            raise ConfigurationError(f"{where}: replay_ttl ({replay_ttl}s) must be at most ttl ({self.ttl}s)")
         # None: one horizon (the answer lives as long as the key), and nothing to check on a replay
         self.replay_ttl = replay_ttl if replay_ttl < self.ttl else None
         self.wait = 0.0 if policy.wait is None else seconds(policy.wait)

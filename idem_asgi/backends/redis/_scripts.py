@@ -9,8 +9,8 @@ otherwise its size (an integer): a big answer is then read alone, on a connectio
 `RedisBackend._whole`), so it never holds the small replies behind it on the shared connection.
 
 A completed answer kept for less than its record (`StoredResponse.replay_for`) is written to the
-record, which then expires with it, and as a tombstone, `{prefix}t{<digest>}` (KEYS[2], fields
-`f t l e r x`, `r` the tombstone's blob), which expires with the key: a claim or read that finds no
+record, which then expires with it, and as a tombstone, `{prefix}t{<digest>}` (KEYS[2], one string:
+`f t l e r x` packed with cmsgpack, `r` the tombstone's blob), which expires with the key: a claim or read that finds no
 record answers the tombstone, so the key refuses a second run until its TTL ends.
 
 A stored token equal to the caller's is the caller's own claim only while that record is in
@@ -29,8 +29,11 @@ APART: Final = 256 * 1024
 # No record: its tombstone, if its answer expired before it (KEYS[2]), as a completed record.
 _TOMBSTONE: Final = """
 if not cur[1] and KEYS[2] then
-  local tomb = redis.call('HMGET', KEYS[2], 'f', 't', 'l', 'e', 'r', 'x')
-  if tomb[1] then return {TOMB, now, 'c', tomb[1], tomb[2], tomb[3], tomb[4], tomb[5], tomb[6]} end
+  local packed = redis.call('GET', KEYS[2])
+  if packed then
+    local f, t, l, e, blob, x = cmsgpack.unpack(packed)
+    return {TOMB, now, 'c', f, t, l, e, blob, x}
+  end
 end
 """
 
@@ -108,10 +111,8 @@ if cur[2] ~= ARGV[1] then return 0 end
 if cur[1] == 'c' then redis.call('HSET', KEYS[1], 's', 'c') return 1 end
 redis.call('HSET', KEYS[1], 's', 'c', 'r', ARGV[2], 'l', now, 'e', now + ARGV[3])
 if KEYS[2] and ARGV[4] and ARGV[4] ~= '' then
-  redis.call('DEL', KEYS[2])
-  redis.call('HSET', KEYS[2], 'f', cur[3], 't', ARGV[1], 'l', now, 'e', now + ARGV[3], 'r', ARGV[4],
-    'x', cur[4] or ARGV[3])
-  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+  local packed = cmsgpack.pack(cur[3], ARGV[1], tostring(now), tostring(now + ARGV[3]), ARGV[4], cur[4] or ARGV[3])
+  redis.call('SET', KEYS[2], packed, 'PX', ARGV[3])
   redis.call('PEXPIRE', KEYS[1], ARGV[5])
 else
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
