@@ -10,7 +10,9 @@ background load, one request at a time:
 - replay: a claim on a key that exists and is completed (a plain read), random over the table.
 
 Printed: p50/p99/mean per operation and table, the large/empty ratio, the fill time, the
-table's size on disk, and the time to purge the expired 1 %. Both tables are dropped at the end.
+table's size on disk, and the time to purge the expired 1 %, with new keys and replays measured
+on the large table *while* that purge runs (does it hold claims up?). Both tables are dropped at
+the end. `--summary FILE` appends the figures the docs quote (benchmarks/figures.py).
 
     python -m benchmarks.bench_postgres_table
     python -m benchmarks.bench_postgres_table --rows 200000 --samples 1000 --json
@@ -158,9 +160,15 @@ async def run(dsn: str, rows: int, samples: int, log: Any) -> dict[str, Any]:
         }
         plan = await admin.fetch("EXPLAIN " + large.sql.purge, 1000)
         result["purge_plan"] = [r[0].strip() for r in plan]
+        during = Side("during purge", large, large_keys)
         started = time.perf_counter()
-        purged = await large.purge(batch_size=1000)
+        purging = asyncio.ensure_future(large.purge(batch_size=1000))
+        while not purging.done():  # claims on the same table, one at a time, while it purges
+            await during.new_keys(10)
+            await during.replays(10)
+        purged = await purging
         result["purge"] = {"rows": purged, "seconds": round(time.perf_counter() - started, 2), "batch_size": 1000}
+        result["latency"]["during_purge"] = {op: summary(t) for op, t in during.times.items() if t}
     finally:
         try:
             for backend in (empty, large):
@@ -190,6 +198,8 @@ def report(result: dict[str, Any]) -> str:
         )
     p = result["purge"]
     lines.append(f"purge of the {p['rows']:,} expired rows (batches of {p['batch_size']}): {p['seconds']} s")
+    for op, s in result["latency"]["during_purge"].items():
+        lines.append(f"  meanwhile, {s['n']} {op}: p50 {s['p50_us']:.0f}us, p99 {s['p99_us']:.0f}us")
     lines.append("purge plan: " + " / ".join(line for line in result["purge_plan"] if "Scan" in line))
     return "\n".join(lines)
 
@@ -201,12 +211,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=2_000, help="new-key claims and replays per table")
     parser.add_argument("--seed", type=int, default=1953)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--summary", default="", help="also append the result as a JSON line here")
     args = parser.parse_args(argv)
     if args.rows < 100 or args.samples < 1:
         parser.error("--rows must be at least 100 and --samples at least 1")
     random.seed(args.seed)
     result = asyncio.run(run(args.dsn, args.rows, args.samples, sys.stderr))
     print(json.dumps(result, indent=2) if args.json else report(result))
+    if args.summary:
+        from benchmarks.figures import append
+
+        run_at = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        append(args.summary, {"kind": "table", "run": run_at, **{k: v for k, v in result.items() if k != "purge_plan"}})
     return 0
 
 

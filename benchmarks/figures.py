@@ -26,6 +26,7 @@ LATEST = ROOT / "benchmarks" / "latest.json"
 SECTIONS = {"group_commit": "group-commit.jsonl", "history": "history.jsonl", "scale": "scale.jsonl"}
 SECTIONS["consumers"] = "consumer-rate.jsonl"
 SECTIONS["horizons"] = "horizons.jsonl"
+SECTIONS["postgres_table"] = "postgres-table.jsonl"
 """latest.json's sections written from one benchmark's `--summary` file each (`--merge NAME FILE`)."""
 _MARK = re.compile(r"<!-- figures:([\w-]+) -->\n")
 
@@ -290,7 +291,35 @@ def _horizons(data: dict[str, Any]) -> list[str]:
     return out
 
 
-BLOCKS = {"scale": _scale, "consumers": _consumers, "horizons": _horizons}
+def _postgres_table(data: dict[str, Any]) -> list[str]:
+    rows = _rows(data, "postgres_table", "table")
+    if not rows:
+        return ["No large-table figures in `benchmarks/latest.json` yet: `python3 dev.py bench`."]
+    out = [
+        "A 30-day table against an empty one (`python -m benchmarks.bench_postgres_table --rows N`, completed "
+        "records with expiry spread over 30 days, 1 % expired, `VACUUM ANALYZE`d; one operation at a time, "
+        f"alternating between the tables; run {rows[-1]['run']}), µs:",
+        "",
+        "| rows | table + indexes | new key p50 / p99, large | empty | replay p50 / p99, large | empty "
+        "| purge of the expired 1 % | new key p50 / p99 during the purge | replay, during |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in sorted(rows, key=lambda r: r["rows"]):
+        lat, during = r["latency"], r["latency"].get("during_purge", {})
+
+        def pair(op: dict[str, Any] | None) -> str:
+            return "-" if not op else f"{op['p50_us']:,.0f} / {op['p99_us']:,.0f}"
+
+        out.append(
+            f"| {r['rows']:,} | {r['table_mb'] + r['indexes_mb']:,.0f} MB | {pair(lat['large']['new'])} "
+            f"| {pair(lat['empty']['new'])} | {pair(lat['large']['replay'])} | {pair(lat['empty']['replay'])} "
+            f"| {r['purge']['rows']:,} rows in {r['purge']['seconds']:.1f} s | {pair(during.get('new'))} "
+            f"| {pair(during.get('replay'))} |"
+        )
+    return out
+
+
+BLOCKS = {"scale": _scale, "consumers": _consumers, "horizons": _horizons, "postgres_table": _postgres_table}
 """Blocks any page may hold, besides the README's and docs/benchmarks.md's standing ones."""
 
 

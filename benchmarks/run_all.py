@@ -130,7 +130,16 @@ def main(argv: list[str] | None = None) -> int:
             ["benchmarks.bench_consumer_rate", "--summary", str(OUT / "consumer-rate.jsonl")],
         ),
         run("Fingerprint rules per MiB", ["benchmarks.bench_fingerprint", "--sizes", "16384,1048576,4194304"]),
-        run("Large Postgres table", ["benchmarks.bench_postgres_table", "--rows", str(args.rows)]),
+        run(
+            "Large Postgres table",
+            [
+                "benchmarks.bench_postgres_table",
+                "--rows",
+                str(args.rows),
+                "--summary",
+                str(OUT / "postgres-table.jsonl"),
+            ],
+        ),
         run(
             "Redis clients: CPU and system calls per call",
             ["benchmarks.bench_redis_clients", "--calls", "5000", *(["--syscalls"] if shutil.which("strace") else [])],

@@ -127,3 +127,29 @@ def test_the_horizons_benchmark_measures_a_tombstone_smaller_than_its_answer(tmp
     assert row["store"] == store and 0 < row["tombstone_bytes"] < row["full_bytes"] / 1.5, row
     assert row["gb_two_horizons"] < row["gb_one_horizon"]
     assert f"| {figures.NAMES[store]} | " in "\n".join(figures._horizons({"horizons": [row]}))
+
+
+def test_the_large_table_benchmark_measures_claims_during_its_purge(tmp_path: Path) -> None:
+    """A tiny run of `benchmarks.bench_postgres_table`: the purge deletes the expired 1 %, claims were
+    timed while it ran, and the summary row renders into docs/postgres.md's block."""
+    import json
+
+    from benchmarks import figures
+    from tests.support.servers import POSTGRES_DSN
+
+    require("postgres", POSTGRES_DSN)
+    summary = tmp_path / "postgres-table.jsonl"
+    args = ["--rows", "20000", "--samples", "100", "--summary", str(summary)]
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_postgres_table", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    (row,) = [json.loads(line) for line in summary.read_text().splitlines()]
+    assert row["purge"]["rows"] == 200, "1 % of the rows were expired"
+    assert row["latency"]["during_purge"]["new"]["n"] >= 10
+    text = "\n".join(figures._postgres_table({"postgres_table": [row]}))
+    assert "| 20,000 | " in text and "200 rows in" in text

@@ -18,6 +18,7 @@ ALONE = (
     "how-it-works.md",
     "configuration.md",
     "memory.md",
+    "stores.md",
 )
 """docs/ pages whose blocks each stand alone (they came from the README, whose snippets were run
 one by one): tests/test_docs_checked.py runs them so, tests/test_docs_run.py runs the others."""
