@@ -653,6 +653,7 @@ def test_problem_types_are_stable() -> None:
             409,
             "urn:idem-asgi:problem:response-not-stored",
         ),
+        "response-expired": (409, "urn:idem-asgi:problem:response-expired"),
         "store-unavailable": (
             503,
             "urn:idem-asgi:problem:store-unavailable",
