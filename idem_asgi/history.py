@@ -27,7 +27,9 @@ if TYPE_CHECKING:
 
 KEEP: Final = 32
 """Steps kept per key when an operator writes one to a store built without `history`."""
-COUNTED: Final = frozenset({"renewed", "replayed", "conflict", "mismatch", "not_stored", "outcome_unknown"})
+COUNTED: Final = frozenset(
+    {"renewed", "replayed", "conflict", "mismatch", "not_stored", "answer_expired", "outcome_unknown"}
+)
 """Steps that happen again and again: one following a step of the same kind and token adds to its `n`
 (in the queue and in the store), so a storm of repeats cannot push a key's claim out of its history."""
 

@@ -26,6 +26,7 @@ EventName = Literal[
     "conflict",  # a repeat while the first is running: 409
     "mismatch",  # same key, other request: 422
     "not_stored",  # completed, but the answer was too large to keep: 409
+    "answer_expired",  # completed longer ago than its replay_ttl: 409 response-expired (or the current state)
     "expired",  # the holder's lease ran out: outcome unknown
     "recovered",  # the recover hook or reclaim resolved an expired lease
     "outcome_unknown",  # nothing resolved it: 409 outcome-unknown

@@ -54,8 +54,9 @@ class StoredResponse(msgspec.Struct, array_like=True, frozen=True, gc=False):
     and the record still refuses a second run of its key until it expires."""
 
     def tombstoned(self) -> StoredResponse:
-        """What is kept of this answer after its first horizon: status, `Location`, nothing else."""
-        kept = [(k, v) for k, v in self.headers if k == b"location"] if not self.sealed else []
+        """What is kept of this answer after its first horizon: status, `Location` (when it is stored
+        in clear: a transform that seals the headers leaves none to keep), nothing else."""
+        kept = [(k, v) for k, v in self.headers if k == b"location"]
         return StoredResponse(self.status, kept, b"", False, None, False, self.replay_for, True)
 
 

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import redis.asyncio as aioredis
 
@@ -90,6 +91,24 @@ async def test_a_durable_claim_and_its_completion_are_on_the_replica_when_they_r
     assert (await on_replica(replica, durable, k))[b"s"] == b"p"  # no sleep: WAIT said so
     assert await durable.complete(k, result.token, RESPONSE, ttl=60)
     assert (await on_replica(replica, durable, k))[b"s"] == b"c"
+
+
+async def test_a_durable_completion_with_a_shorter_replay_ttl_puts_its_tombstone_on_the_replica(
+    durable: RedisBackend, pair: tuple[RedisProcess, RedisProcess]
+) -> None:
+    """The completion's WAIT covers both of its keys: the record and the tombstone that outlives it."""
+    _, replica = pair
+    k = key()
+    result = await durable.claim(k, b"f", lease=10, ttl=60)
+    assert isinstance(result, Claimed)
+    answer = msgspec.structs.replace(RESPONSE, replay_for=30.0)
+    assert await durable.complete(k, result.token, answer, ttl=60)
+    client = aioredis.Redis.from_url(replica.url)
+    try:
+        assert await client.exists(durable._keys(k)[1]) == 1  # no sleep: WAIT said so
+        assert 29_000 < await client.pttl(durable._key(k)) <= 30_000
+    finally:
+        await client.aclose()
 
 
 async def test_a_claim_the_replica_does_not_confirm_is_withdrawn_and_refused(

@@ -147,3 +147,28 @@ async def test_middleware_runs_once_and_replays_on_a_cluster(backend: RedisBacke
     replays = await asyncio.gather(*(post(mw, k) for k in keys))
     firsts = {a.body for a in answers if a.status == 201 and not a.replayed}
     assert all(r.replayed and r.body in firsts for r in replays)
+
+
+async def test_answers_past_replay_ttl_leave_tombstones_on_every_node(
+    backend: RedisBackend, cluster: list[RedisProcess]
+) -> None:
+    """Two horizons on a cluster: the record and its tombstone share the `{digest}` slot, so complete,
+    claim and read (two keys each) run on the record's node; past `replay_for` only tombstones remain,
+    spread over every primary, and each still refuses its key."""
+    kept = StoredResponse(201, [(b"location", b"/payments/1")], b'{"paid":true}', replay_for=0.5)
+    names = [f"horizon-{i}" for i in range(30)]
+    for name in names:
+        claimed = await backend.claim(rk(name), b"fp", lease=30, ttl=DAY)
+        assert isinstance(claimed, Claimed)
+        assert await backend.complete(rk(name), claimed.token, kept, ttl=DAY)
+    await asyncio.sleep(0.7)
+    for name in names:
+        again = await backend.claim(rk(name), b"fp", lease=30, ttl=DAY)
+        assert isinstance(again, Existing) and again.record.response is not None, name
+        assert again.record.response.tombstone and again.record.response.status == 201
+        assert again.record.response.headers == [(b"location", b"/payments/1")]
+        read = await backend.get(rk(name))
+        assert read is not None and read.response is not None and read.response.tombstone
+    counts = await keys_per_node(cluster, backend.prefix + "t{")
+    assert sum(counts) == 30 and all(c > 0 for c in counts), counts
+    assert sum(await keys_per_node(cluster, backend.prefix + "{")) == 0, "the records left with their answers"

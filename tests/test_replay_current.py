@@ -224,3 +224,49 @@ async def test_replay_and_locate_are_checked_when_the_middleware_is_built() -> N
         IdempotencyMiddleware(app, routes=[RoutePolicy("/p", single_tenant=True, replay="latest")])  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="locate= is for replay='current' routes"):
         IdempotencyMiddleware(app, routes=[RoutePolicy("/p", single_tenant=True, locate=lambda a: "/x")])
+
+
+async def test_the_get_gets_a_decoded_path_and_no_hidden_send_extensions(backend: Backend, namespace: str) -> None:
+    """`Location: /files/a%20b` is GET `/files/a b` (raw_path as sent), and the GET, like the app's own
+    run, never gets `pathsend`: every body byte must pass through the middleware's `send`."""
+    seen: list[dict[str, Any]] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        if scope["method"] == "GET":
+            seen.append(scope)
+            body, status, headers = b'{"state":"now"}', 200, []
+        else:
+            body, status, headers = b'{"state":"then"}', 201, [(b"location", b"/files/a%20b")]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    route = RoutePolicy("/files", single_tenant=True, replay="current")
+    mw = IdempotencyMiddleware(app, backend=backend, routes=[route], namespace=namespace)
+    key = uuid.uuid4().hex
+
+    async def post() -> tuple[int, bytes, dict[bytes, bytes]]:
+        sent: list[Any] = []
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+            "path": "/files", "raw_path": b"/files", "query_string": b"", "root_path": "",
+            "headers": [(b"host", b"shop.test"), (b"idempotency-key", key.encode())],
+            "extensions": {"http.response.pathsend": {}},
+        }  # fmt: skip
+        messages = iter([{"type": "http.request", "body": b"{}", "more_body": False}])
+
+        async def receive() -> Any:
+            return next(messages, {"type": "http.disconnect"})
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        await mw(scope, receive, send)
+        return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:]), dict(sent[0]["headers"])
+
+    await post()
+    status, body, headers = await post()
+    assert (status, body, headers[b"idempotent-replay-source"]) == (201, b'{"state":"now"}', b"current")
+    (get,) = seen
+    assert get["path"] == "/files/a b" and get["raw_path"] == b"/files/a%20b"
+    assert "http.response.pathsend" not in get.get("extensions", {})

@@ -21,7 +21,7 @@ from idem_asgi.backends import Backend, MemoryBackend
 from idem_asgi.backends.postgres import PostgresBackend
 from idem_asgi.backends.redis import RedisBackend
 from idem_asgi.errors import ConfigurationError
-from idem_asgi.records import RecordKey
+from idem_asgi.records import Claimed, RecordKey, StoredResponse
 from tests.support.servers import REDIS_URL
 
 pytestmark = pytest.mark.asyncio
@@ -200,3 +200,109 @@ async def test_replay_ttl_must_fit_under_ttl() -> None:
         IdempotencyMiddleware(Shop(), routes=[RoutePolicy("/p", single_tenant=True, ttl=60, replay_ttl=120)])
     with pytest.raises(ConfigurationError, match="durations must be positive"):
         IdempotencyMiddleware(Shop(), routes=[RoutePolicy("/p", single_tenant=True, replay_ttl=0)])
+
+
+async def test_the_horizon_is_advertised_counted_and_shown_as_a_tombstone(namespace: str) -> None:
+    """`advertise_expiry` names the end of the replay (not of the key); a repeat past it emits
+    `answer_expired` (not `replayed`); `inspect` calls the shrunk record a tombstone."""
+    from idem_asgi.observe import Event
+    from idem_asgi.ops.cli_output import response_doc
+
+    events: list[Event] = []
+    store = MemoryBackend()
+    shop = Shop()
+    route = RoutePolicy("/payments", single_tenant=True, ttl=60, replay_ttl=KEEP, advertise_expiry=True)
+    app = IdempotencyMiddleware(shop, backend=store, routes=[route], namespace=namespace, observer=events.append)
+    key = uuid.uuid4().hex
+    first = await pay(app, key)
+    advertised = time.mktime(time.strptime(first.headers["idempotency-expires"], "%a, %d %b %Y %H:%M:%S GMT"))
+    assert abs(advertised - time.timezone - time.time()) < 5, "the replay's end, not the key's (60 s)"
+    again = await pay(app, key)
+    assert again.headers["idempotency-expires"] == first.headers["idempotency-expires"]
+    await asyncio.sleep(KEEP + 0.2)
+    late = await pay(app, key)
+    assert late.status_code == 409 and "idempotency-expires" not in late.headers
+    assert [e.name for e in events if e.name in ("replayed", "answer_expired")] == ["replayed", "answer_expired"]
+    await store.purge()
+    record = await store.get(RecordKey.build(namespace, None, key))
+    assert record is not None and record.response is not None
+    assert response_doc(record.response)["tombstone"] is True
+
+
+async def test_an_answer_too_large_to_store_stays_not_stored_on_every_store(backend: Backend, namespace: str) -> None:
+    """Nothing to shrink: past replay_ttl it is still 409 response-not-stored, alike on each store."""
+    shop = Shop()
+    app = protect(shop, backend, namespace, max_stored_body=10)
+    key = uuid.uuid4().hex
+    assert (await pay(app, key)).status_code == 201
+    await asyncio.sleep(KEEP + 0.2)
+    await shrink(backend)
+    late = await pay(app, key)
+    assert late.status_code == 409 and late.json()["type"].endswith("response-not-stored")
+    assert shop.runs[key] == 1
+
+
+async def test_postgres_a_row_reused_after_its_ttl_forgets_its_old_horizon(namespace: str) -> None:
+    """A key claimed again after its ttl reuses its row: the old answer's `kept_until` goes with it, so
+    purge's shrink never picks (and locks) a live claim, nor spends its batches on one."""
+    import asyncpg
+
+    from tests.support.servers import POSTGRES_DSN, require
+    from tests.support.stores import TEST_TABLE
+
+    require("postgres", POSTGRES_DSN)
+    store = PostgresBackend.from_dsn(POSTGRES_DSN, table=TEST_TABLE)
+    await store.setup()
+    conn = await asyncpg.connect(POSTGRES_DSN)
+    answer = StoredResponse(201, [(b"location", b"/p/1")], b'{"ok":true}', replay_for=0.2)
+    a, b = RecordKey.build(namespace, None, "a"), RecordKey.build(namespace, None, "b")
+    try:
+        first = await store.claim(a, b"fp", lease=0.3, ttl=0.5)
+        assert isinstance(first, Claimed) and await store.complete(a, first.token, answer, ttl=0.5)
+        await asyncio.sleep(0.6)  # a's ttl is over: its row is free
+        again = await store.claim(a, b"fp", lease=30, ttl=60)
+        assert isinstance(again, Claimed)
+        kept = await conn.fetchval(f"SELECT kept_until FROM {store.table} WHERE namespace = $1", namespace)
+        assert kept is None, "the reused row kept the old answer's horizon"
+        other = await store.claim(b, b"fp", lease=30, ttl=60)
+        assert isinstance(other, Claimed) and await store.complete(b, other.token, answer, ttl=60)
+        await asyncio.sleep(0.3)
+        await store.purge(batch_size=1)
+        shrunk = await store.get(b)
+        assert shrunk is not None and shrunk.response is not None and shrunk.response.tombstone
+        live = await store.get(a)
+        assert live is not None and live.state == "in_progress" and live.token == again.token
+    finally:
+        await conn.execute(f"DELETE FROM {store.table} WHERE namespace = $1", namespace)
+        await conn.close()
+        await store.aclose()
+
+
+async def test_a_sealed_answer_keeps_its_clear_location_past_the_horizon(backend: Backend, namespace: str) -> None:
+    """With `EncryptBody(..., headers=False)` the headers are stored in clear: past replay_ttl the
+    tombstone keeps `Location`, so a current-state route still fetches what the payment is now;
+    with `headers=True` nothing readable is left to keep, and the repeat gets response-expired."""
+    from idem_asgi.transform import EncryptBody
+
+    def flip(data: bytes) -> bytes:
+        return bytes(b ^ 0x5A for b in data)
+
+    for sealed_headers in (False, True):
+        shop = Shop()
+        route = RoutePolicy("/payments", single_tenant=True, ttl=60, replay_ttl=KEEP, replay="current")
+        app = IdempotencyMiddleware(
+            shop, backend=backend, routes=[route], namespace=f"{namespace}-{sealed_headers}",
+            transform=EncryptBody(flip, flip, headers=sealed_headers),
+        )  # fmt: skip
+        key = uuid.uuid4().hex
+        await pay(app, key)
+        shop.payments[f"pay_{key}"]["state"] = "captured"
+        await asyncio.sleep(KEEP + 0.2)
+        await shrink(backend)
+        late = await pay(app, key)
+        if sealed_headers:
+            assert late.status_code == 409 and late.json()["type"].endswith("response-expired")
+        else:
+            assert late.status_code == 201 and late.json()["state"] == "captured"
+            assert late.headers["idempotent-replay-source"] == "current"
+        assert shop.runs[key] == 1

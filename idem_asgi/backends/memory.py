@@ -260,7 +260,7 @@ class MemoryBackend(ClosingMixin):
                     self._scopes[key.scope][1] += size
             if expires_at < rec.expires_at:  # sooner than the claim's entry says (a shorter TTL)
                 heapq.heappush(self._expiry, (expires_at, digest))
-            if response.replay_for is not None and response.replay_for < ttl and size:
+            if response.replay_for is not None and response.replay_for < ttl and size and response.replayable:
                 heapq.heappush(self._shrinks, (now + response.replay_for, digest, token))
             # (later, the usual case: the claim's entry is pushed again when it comes up, in `_expire`)
             return True

@@ -17,6 +17,8 @@ class Action(enum.Enum):
     """Send the stored response."""
     NOT_STORED = "not_stored"
     """Completed, but the response was too large to store."""
+    ANSWER_EXPIRED = "answer_expired"
+    """Completed longer ago than its answer is kept (a route's `replay_ttl`): only its tombstone is left."""
     IN_PROGRESS = "in_progress"
     """Another request holds a live lease."""
     MISMATCH = "mismatch"
@@ -27,7 +29,7 @@ class Action(enum.Enum):
 
 # The members as module constants: reading `Action.X` goes through the enum's metaclass (~80 ns a
 # time), and `decide` runs for every repeat.
-RUN, REPLAY, NOT_STORED = Action.RUN, Action.REPLAY, Action.NOT_STORED
+RUN, REPLAY, NOT_STORED, ANSWER_EXPIRED = Action.RUN, Action.REPLAY, Action.NOT_STORED, Action.ANSWER_EXPIRED
 IN_PROGRESS, MISMATCH, EXPIRED = Action.IN_PROGRESS, Action.MISMATCH, Action.EXPIRED
 
 
@@ -39,9 +41,10 @@ def decide(result: ClaimResult, fingerprint: bytes) -> Action:
     if record.fingerprint != fingerprint and not legacy_match(record.fingerprint, fingerprint):
         return MISMATCH
     if record.state == COMPLETED:
-        if record.response is not None and record.response.replayable:
+        response = record.response
+        if response is not None and response.replayable:
             return REPLAY
-        return NOT_STORED
+        return ANSWER_EXPIRED if response is not None and response.tombstone else NOT_STORED
     if result.now < record.lease_until:
         return IN_PROGRESS
     return EXPIRED

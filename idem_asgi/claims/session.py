@@ -53,6 +53,7 @@ _EVENT_OF: dict[Action, EventName] = {
     Action.MISMATCH: "mismatch",
     Action.IN_PROGRESS: "conflict",
     Action.NOT_STORED: "not_stored",
+    Action.ANSWER_EXPIRED: "answer_expired",
 }
 
 Recover = Callable[[Record], Awaitable['StoredResponse | Literal["run"] | None']]
@@ -192,7 +193,10 @@ class ClaimSession:
         completed one to replay (REPLAY). None for the rest (hold, recover, refuse: `decided`)."""
         if result.__class__ is Claimed:
             return RUN
-        return REPLAY if decide(result, self.fingerprint) is REPLAY else None
+        if decide(result, self.fingerprint) is not REPLAY:
+            return None
+        keep = self.terms.replay_ttl
+        return REPLAY if keep is None or not _past(result, keep) else None
 
     def judged(self, result: ClaimResult) -> Action:
         """`decide`, under the lease rule (`claims.leases`): an expired lease is in progress while
@@ -200,6 +204,9 @@ class ClaimSession:
         it has been seen expired and unchanged for its grace; one its holder ended itself
         (`holder_failed`) is over at once."""
         action = decide(result, self.fingerprint)
+        if action is REPLAY:
+            keep = self.terms.replay_ttl
+            return Action.ANSWER_EXPIRED if keep is not None and _past(result, keep) else action
         if action is not EXPIRED:
             return action
         assert isinstance(result, Existing) and self.rkey is not None
@@ -413,3 +420,10 @@ def _notify(observer: Observer, name: EventName, terms: Terms, rkey: RecordKey |
 
 def _ignored(name: EventName) -> None:
     """Nobody observes."""
+
+
+def _past(result: ClaimResult, keep: float) -> bool:
+    """Whether a completed record's answer is past its `replay_ttl` (`keep`), by the store's clock: a
+    completed record's `lease_until` is when it completed."""
+    assert isinstance(result, Existing)
+    return result.now >= result.record.lease_until + keep

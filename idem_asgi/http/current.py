@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from typing import Any, Final
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import anyio
 
@@ -25,6 +25,7 @@ from .._logging import throttled
 from .._types import ASGIApp, Message, Scope
 from ..context import STATE_KEY
 from ..records import StoredResponse
+from .asgi import HIDDEN_EXTENSIONS
 
 Locate = Callable[[StoredResponse], "str | None"]
 """Given the first answer, the path (and query) of the resource it made, or None: nothing to fetch."""
@@ -62,7 +63,7 @@ def _target(where: str, scope: Scope) -> tuple[str, bytes] | None:
             return None
     if not parts.path.startswith("/"):
         return None
-    return parts.path, parts.query.encode("latin-1")
+    return parts.path, parts.query.encode("latin-1")  # (the path as sent: percent-encoded)
 
 
 async def fetch_current(
@@ -86,12 +87,15 @@ async def fetch_current(
     sub: dict[str, Any] = {
         **scope,
         "method": "GET",
-        "path": path,
-        "raw_path": path.encode("utf-8"),
+        "path": unquote(path),  # ASGI's path is decoded; raw_path is the bytes as sent
+        "raw_path": path.encode("latin-1", "replace"),
         "query_string": query,
         "headers": headers,
         "state": state,
     }
+    extensions = scope.get("extensions")
+    if extensions:  # as for the app's own run: every body byte through `send`, so it is seen here
+        sub["extensions"] = {k: v for k, v in extensions.items() if k not in HIDDEN_EXTENSIONS}
     done = anyio.Event()
     sent = False
     status = 0

@@ -173,7 +173,9 @@ def _document(operation: dict[str, Any], route: Route, replay_header: str, link:
         del operation["parameters"]
     # The key expiry policy the draft asks servers to publish: how long a key's answer is replayed.
     operation["x-idempotency"] = {"ttl_seconds": route.ttl, "required": route.required}
-    ttl = f"{route.ttl:g} s"
+    if route.replay_ttl is not None:  # the answer is replayed for less than the key refuses a second run
+        operation["x-idempotency"]["replay_ttl_seconds"] = route.replay_ttl
+    ttl = f"{route.replay_ttl or route.ttl:g} s"
     note = f"Idempotent: a repeat with the same key within {ttl} of the first answer gets that answer again."
     operation["description"] = f"{operation['description']}\n\n{note}" if operation.get("description") else note
     responses = operation.setdefault("responses", {})

@@ -123,10 +123,7 @@ class Protected(ClaimSession):
                 if self.rt.told:
                     self.emit("replayed")
                 stored = result.record.response
-                if route.replay_ttl is not None and result.now >= result.record.lease_until + route.replay_ttl:
-                    await self._after_horizon(result.record)  # its bytes' horizon passed: not replayed
-                    return
-                await self._replay(self._opened(stored) if stored.sealed else stored, result.record.expires_at)
+                await self._replay(self._opened(stored) if stored.sealed else stored, self._until(result.record))
             else:
                 await self._act(result)
         except Refused as refusal:
@@ -234,23 +231,18 @@ class Protected(ClaimSession):
             await self._run(outcome.token)
         elif action is Action.REPLAY:
             if isinstance(outcome, StoredResponse):  # handed over by its holder, or recovered: just now
-                await self._replay(self._opened(outcome), time.time() + route.ttl)
+                await self._replay(self._opened(outcome), time.time() + (route.replay_ttl or route.ttl))
             else:
                 assert isinstance(outcome, Existing) and outcome.record.response is not None
-                keep = route.replay_ttl
-                if keep is not None and outcome.now >= outcome.record.lease_until + keep:
-                    await self._after_horizon(outcome.record)
-                    return
-                await self._replay(self._opened(outcome.record.response), outcome.record.expires_at)
+                await self._replay(self._opened(outcome.record.response), self._until(outcome.record))
         elif action is Action.MISMATCH:
             raise Refused(route.mismatch, event=None)
         elif action is Action.IN_PROGRESS:
             raise Refused(problems.IN_PROGRESS, retry_after=route.retry_after, event=None)
         elif action is Action.EXPIRED:
             raise Refused(problems.OUTCOME_UNKNOWN, event="outcome_unknown")
-        elif (
-            isinstance(outcome, Existing) and outcome.record.response is not None and outcome.record.response.tombstone
-        ):
+        elif action is Action.ANSWER_EXPIRED:
+            assert isinstance(outcome, Existing)
             await self._after_horizon(outcome.record)
         else:
             raise Refused(problems.NOT_STORED, event=None)
@@ -262,14 +254,15 @@ class Protected(ClaimSession):
         response = record.response
         assert response is not None
         tomb = response if response.tombstone else response.tombstoned()
-        if self.route.locate is not None and await self._current(tomb, record.expires_at):
+        if self.route.locate is not None and await self._current(tomb, None):
             return
         done, until = _iso(record.lease_until), _iso(record.expires_at)
-        kept = f"{self.route.replay_ttl or response.replay_for or 0:g} s"
+        keep = self.route.replay_ttl or response.replay_for
+        kept = f"was kept {keep:g} s and is gone" if keep else "is no longer kept"
         raise Refused(
             problems.RESPONSE_EXPIRED,
-            f"The request with this key completed at {done} with status {tomb.status}; its answer was kept "
-            f"{kept} and is gone. The key refuses another run until {until}. Nothing ran again.",
+            f"The request with this key completed at {done} with status {tomb.status}; its answer {kept}. "
+            f"The key refuses another run until {until}. Nothing ran again.",
             event=None,
             members={"completed_at": done, "completed_status": tomb.status, "expires_at": until},
             headers=list(tomb.headers),
@@ -297,7 +290,8 @@ class Protected(ClaimSession):
         """Run the app once under the claim, streaming its answer while capturing it."""
         route = self.route
         self.begin(token)
-        send = self.send if not route.advertise_expiry else _expiring(self.send, route.ttl, route.release_statuses)
+        replayed = route.replay_ttl or route.ttl  # how long this answer will be replayed
+        send = self.send if not route.advertise_expiry else _expiring(self.send, replayed, route.release_statuses)
         capture = Capture(send, self.receive, self.chunks, self._on_final, route.excluded, route.max_stored_body)
         info = IdempotencyInfo(self.key, self.owner, self)
         entered = enter(info)
@@ -403,7 +397,12 @@ class Protected(ClaimSession):
         if trail:
             await self.send({"type": "http.response.trailers", "headers": list(trailers or ()), "more_trailers": False})
 
-    async def _current(self, response: StoredResponse, expires_at: float) -> bool:
+    def _until(self, record: Record) -> float:
+        """Until when a completed record's answer is replayed: its expiry, or its `replay_ttl` sooner."""
+        keep = self.route.replay_ttl
+        return record.expires_at if keep is None else min(record.expires_at, record.lease_until + keep)
+
+    async def _current(self, response: StoredResponse, expires_at: float | None) -> bool:
         """Answer with the current state of what `response` made; False when there is none to give."""
         route = self.route
         assert route.locate is not None
@@ -416,7 +415,7 @@ class Protected(ClaimSession):
         headers = [(k, v) for k, v in headers if k not in route.excluded]
         headers += [(k, v) for k, v in response.headers if k == b"location"]
         headers += [(b"content-length", str(len(body)).encode("ascii")), current.CURRENT, self.rt.replay_header]
-        if route.advertise_expiry:
+        if route.advertise_expiry and expires_at is not None:  # (past its replay_ttl: none to advertise)
             headers.append(_expires(expires_at))
         await self.send({"type": "http.response.start", "status": response.status, "headers": headers})
         await self.send({"type": "http.response.body", "body": body, "more_body": False})

@@ -86,6 +86,7 @@ class JobTerms:
     lease: float
     ttl: float
     wait: float
+    replay_ttl: float | None = None  # a job's result lives as long as its key
 
 
 def _runtime(backend: Backend, observer: Observer | None) -> Runtime:

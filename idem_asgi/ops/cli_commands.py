@@ -103,7 +103,13 @@ async def _inspect(args: argparse.Namespace) -> int:
             out.append("failed    after its answer started or its effect: outcome unknown")
         if record.response is not None:
             r = record.response
-            note = "replayable" if r.replayable else "not replayable (too large to store)"
+            note = (
+                "replayable"
+                if r.replayable
+                else "a tombstone (its answer's replay_ttl passed: status and Location kept)"
+                if r.tombstone
+                else "not replayable (too large to store)"
+            )
             note += ", sealed (the app's transform opens it)" if r.sealed else ""
             out.append(f"response  {r.status}, {len(r.headers)} headers, {len(r.body)} bytes, {note}")
             out.extend(f"  {text(n)}: {text(v)}" for n, v in r.headers)

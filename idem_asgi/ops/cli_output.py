@@ -26,6 +26,7 @@ def response_doc(response: StoredResponse) -> dict[str, Any]:
         "body_size": len(response.body),
         "replayable": response.replayable,
         "sealed": response.sealed,
+        "tombstone": response.tombstone,
     }
 
 

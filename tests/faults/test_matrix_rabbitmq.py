@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import aio_pika
+import aiormq
 import asyncpg
 import pytest
 
@@ -263,7 +264,7 @@ class Settler:
     async def consuming(self) -> AsyncIterator[Settler]:
         connection = await aio_pika.connect(self.queues.url)
         try:
-            channel = await connection.channel()
+            channel = await self._queue_channel(connection)
             await channel.set_qos(prefetch_count=20)
             await (await channel.get_queue(self.queues.queue)).consume(self.deliver)
             yield self
@@ -271,6 +272,21 @@ class Settler:
         finally:
             await self.on_message.drain(10)
             await connection.close()
+
+    async def _queue_channel(self, connection: Any) -> Any:
+        """A channel on which the queue is found: a node just restarted recovers its quorum queues a
+        moment after it takes connections, and a passive declare meanwhile is NOT_FOUND (which
+        closes the channel it was asked on)."""
+        deadline = time.monotonic() + 30
+        while True:
+            channel = await connection.channel()
+            try:
+                await channel.get_queue(self.queues.queue)
+                return channel
+            except aiormq.exceptions.ChannelNotFoundEntity:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
 
     async def take_all(self, at_least: int) -> None:
         try:

@@ -123,7 +123,7 @@ class Statements:
         sealed_key = ${sealed_key}, state = 'p', fingerprint = $4, token = $5, created_at = now(), ttl = $7::float8,
         lease_until = now() + $6::float8 * interval '1 second', expires_at = now() + $7::float8 * interval '1 second',
         status = NULL, headers = NULL, body = NULL, replayable = NULL, checkpoint = NULL, trailers = NULL,
-        sealed = NULL, watched = NULL"""
+        sealed = NULL, watched = NULL, kept_until = NULL, kept = NULL"""
         self.claim = f"""
 WITH cur AS (
     SELECT {_COLUMNS}, {free} AS free FROM {t} AS r WHERE namespace = $1 AND scope = $2 AND key = $3
@@ -172,7 +172,8 @@ WITH q AS (
     UPDATE {t} AS r SET sealed_key = q.sealed_key, state = 'p', fingerprint = q.fingerprint, token = q.token,
         created_at = now(), ttl = q.ttl, lease_until = now() + q.lease * interval '1 second',
         expires_at = now() + q.ttl * interval '1 second', status = NULL, headers = NULL, body = NULL,
-        replayable = NULL, checkpoint = NULL, trailers = NULL, sealed = NULL, watched = NULL
+        replayable = NULL, checkpoint = NULL, trailers = NULL, sealed = NULL, watched = NULL, kept_until = NULL,
+        kept = NULL
     FROM q
     WHERE r.namespace = q.namespace AND r.scope = q.scope AND r.key = q.key
       AND EXISTS (SELECT 1 FROM cur WHERE cur.asked = q.token AND free) AND {free}
@@ -296,7 +297,7 @@ DELETE FROM {t} WHERE ctid = ANY(ARRAY(
         self.shrink = f"""
 UPDATE {t} SET headers = kept, body = NULL, trailers = NULL, replayable = false, kept = NULL, kept_until = NULL
 WHERE ctid = ANY(ARRAY(
-    SELECT ctid FROM {t} WHERE kept_until <= now() LIMIT $1 FOR UPDATE SKIP LOCKED
+    SELECT ctid FROM {t} WHERE kept_until <= now() AND state = 'c' LIMIT $1 FOR UPDATE SKIP LOCKED
 )) AND kept_until <= now() AND state = 'c'"""
         self.stale = f"""
 SELECT false, {_COLUMNS}, namespace, scope, key, sealed_key FROM {t}

@@ -386,7 +386,7 @@ class RedisBackend(Tools, ClosingMixin):
     async def complete(self, key: RecordKey, token: int, response: StoredResponse, *, ttl: float) -> bool:
         blob = encode_response(response)
         keep = response.replay_for
-        if keep is not None and keep < ttl:  # the answer expires first; its tombstone keeps the key refusing
+        if keep is not None and keep < ttl and response.replayable:  # the bytes go first; the tombstone refuses on
             shorter: tuple[Any, ...] = (encode_response(response.tombstoned()), _ms(keep))
         else:
             shorter = (b"", 0)
