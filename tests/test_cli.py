@@ -162,6 +162,7 @@ async def test_inspect_prints_a_completed_record(
         "body_size": len(RESPONSE.body),
         "replayable": True,
         "sealed": False,
+        "tombstone": False,
     }
     assert abs(iso(doc["expires_at"]) - time.time() - DAY) < 60
     assert iso(doc["lease_until"]) <= time.time() + 5
