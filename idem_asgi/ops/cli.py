@@ -6,6 +6,7 @@
     idem-asgi resolve pay-7f3a --scope tenant-42 --token 8812 --release   # one key, no hook
     idem-asgi purge --batch-size 5000
     idem-asgi --backend postgresql://app@db/shop migrate --print
+    idem-asgi --backend postgresql://app@db/shop relay --to nats://nats:4222   # publish the outbox
 
 Every command takes `--json` (one JSON document on stdout). Errors are one line on stderr.
 
@@ -26,6 +27,7 @@ from typing import Any
 from ..errors import BackendError, BackendMisconfigured, BackendUnavailable, ConfigurationError
 from .cli_commands import _COMMANDS
 from .cli_io import ENV_URL, OLDER_THAN, PROG, STDOUT_CLOSED, StdoutClosed, quiet_stdout
+from .cli_relay import add_parser as add_relay
 from .cli_resolve import add_parser as add_resolve
 
 __all__ = ["ENV_URL", "PROG", "main", "run"]
@@ -129,6 +131,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("migrate", help="create the Postgres table and indexes, or print their DDL")
     _common(p, top=False)
     p.add_argument("--print", dest="print_ddl", action="store_true", help="print the DDL instead of applying it")
+
+    add_relay(sub, _common)
     return parser
 
 

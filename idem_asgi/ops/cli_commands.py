@@ -30,6 +30,7 @@ from .cli_output import (
     step_line,
     text,
 )
+from .cli_relay import run_relay
 from .cli_resolve import run_resolve
 from .reconcile import reconcile
 from .resolving import record_key
@@ -248,4 +249,5 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], Awaitable[int]]] = {
     "reconcile": _reconcile,
     "purge": _purge,
     "migrate": _migrate,
+    "relay": run_relay,
 }
