@@ -1,0 +1,267 @@
+"""idem_asgi.outbox on real PostgreSQL and RabbitMQ: a message commits with its transaction or not at
+all, one key's messages are added and published in order, a refused or unreachable broker is retried
+with a backoff while other keys go on, one relay leads and another takes over, sent rows are purged,
+and `idem-asgi relay` publishes and exits. (tests/test_outbox_chain.py SIGKILLs the whole chain.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aio_pika
+import httpx
+import pytest
+
+from idem_asgi import IdempotencyMiddleware, RoutePolicy
+from idem_asgi.backends import PostgresBackend
+from idem_asgi.errors import ConfigurationError
+from idem_asgi.ops.cli import run as cli
+from idem_asgi.outbox import Outbox, RabbitPublisher, Relay, publisher_for
+from tests.support.servers import free_port, require, wait_until
+from tests.support.stores import POSTGRES_DSN
+
+AMQP = os.environ.get("IDEM_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
+
+
+@pytest.fixture
+async def outbox() -> AsyncIterator[Outbox]:
+    require("postgres", POSTGRES_DSN)
+    table = f"ob_{uuid.uuid4().hex[:8]}"
+    backend = PostgresBackend.from_dsn(POSTGRES_DSN, table=table, min_size=1, max_size=8)
+    await backend.setup()
+    box = Outbox(backend)
+    await box.setup()
+    try:
+        yield box
+    finally:
+        pool = await backend._get_pool()
+        async with pool.acquire() as conn:
+            await conn.execute(f"DROP TABLE IF EXISTS {box.table}")
+            await conn.execute(f"DROP TABLE IF EXISTS {backend.table}")
+        await backend.aclose()
+
+
+@pytest.fixture
+async def channel() -> AsyncIterator[Any]:
+    require("rabbitmq", AMQP)
+    connection = await aio_pika.connect(AMQP)
+    yield await connection.channel()
+    await connection.close()
+
+
+@contextlib.asynccontextmanager
+async def queue(channel: Any, name: str | None = None) -> AsyncIterator[Any]:
+    declared = await channel.declare_queue(name or f"ob-{uuid.uuid4().hex[:8]}", durable=False, auto_delete=False)
+    try:
+        yield declared
+    finally:
+        await declared.delete(if_unused=False, if_empty=False)
+
+
+async def drained(q: Any) -> list[Any]:
+    got = []
+    while (message := await q.get(no_ack=True, fail=False)) is not None:
+        got.append(message)
+    return got
+
+
+async def rows(box: Outbox) -> list[Any]:
+    pool = await box._pool()
+    async with pool.acquire() as conn:
+        return list(await conn.fetch(f"SELECT seq, id::text, key, sent_at, attempts FROM {box.table} ORDER BY seq"))
+
+
+async def test_a_message_commits_with_its_transaction_or_not_at_all(outbox: Outbox) -> None:
+    backend = outbox.backend
+    async with backend.transaction() as conn:
+        kept = await outbox.add(conn, "payments", b'{"id": 1}', headers={"Trace": "t1"})
+    with pytest.raises(RuntimeError):
+        async with backend.transaction() as conn:
+            await outbox.add(conn, "payments", b'{"id": 2}')
+            raise RuntimeError("the effect failed")
+    assert [row[1] for row in await rows(outbox)] == [kept]
+    pool = await backend._get_pool()
+    async with pool.acquire() as conn:
+        with pytest.raises(ConfigurationError, match="inside a transaction"):
+            await outbox.add(conn, "payments", b"{}")  # autocommit: it would commit without its effect
+    assert (await outbox.backlog()).unsent == 1
+
+
+async def test_a_protected_requests_messages_are_ordered_by_its_claim_not_its_raw_key(outbox: Outbox) -> None:
+    backend = outbox.backend
+
+    async def api(scope: Any, receive: Any, send: Any) -> None:
+        async with backend.transaction() as conn:
+            await outbox.add(conn, "a", b"1")
+            await outbox.add(conn, "b", b"2")
+            await outbox.add(conn, "c", b"3", key="order-7")
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    policy = RoutePolicy("/pay", methods=["POST"], single_tenant=True)
+    app = IdempotencyMiddleware(api, backend=backend, routes=[policy])
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://api") as client:
+        response = await client.post("/pay", headers={"Idempotency-Key": "secret-key-1"})
+    assert response.status_code == 201
+    keys = [row[2] for row in await rows(outbox)]
+    assert keys[0] == keys[1] != "secret-key-1" and len(keys[0]) >= 32  # the record's digest
+    assert keys[2] == "order-7"
+    async with backend.transaction() as conn:  # no claim: the subject orders
+        await outbox.add(conn, "refunds", b"4")
+    assert (await rows(outbox))[-1][2] == "refunds"
+
+
+async def test_one_keys_messages_get_seqs_in_commit_order_under_concurrent_transactions(outbox: Outbox) -> None:
+    """Each transaction adds to one of 4 keys, then lingers before COMMIT. Inside it, the key's
+    rows it can see (committed ones and its own) must be exactly those with a smaller or equal seq:
+    a later seq committed earlier would break the relay's per-key order."""
+    backend = outbox.backend
+    seen: list[tuple[str, int, int]] = []
+
+    async def one(i: int) -> None:
+        key = f"k{i % 4}"
+        async with backend.transaction() as conn:
+            await outbox.add(conn, "s", str(i).encode(), key=key)
+            seq, visible = await conn.fetchrow(f"SELECT max(seq), count(*) FROM {outbox.table} WHERE key = $1", key)
+            await asyncio.sleep(random.random() / 50)
+            seen.append((key, seq, visible))
+
+    await asyncio.gather(*(one(i) for i in range(40)))
+    by_key: dict[str, list[int]] = {}
+    for row in await rows(outbox):
+        by_key.setdefault(row[2], []).append(row[0])
+    for key, seq, visible in seen:
+        assert by_key[key].index(seq) + 1 == visible, (key, seq, visible, by_key[key])
+
+
+async def test_the_relay_publishes_with_the_rows_id_and_marks_it_sent(outbox: Outbox, channel: Any) -> None:
+    async with queue(channel) as q:
+        ids = []
+        for i in range(5):
+            async with outbox.backend.transaction() as conn:
+                ids.append(await outbox.add(conn, q.name, f"m{i}".encode(), headers={"N": str(i)}, key="one"))
+        relay = Relay(outbox, RabbitPublisher(AMQP), poll=0.1)
+        async with relay:
+            await wait_until(lambda: relay.stats.published == 5, 10)
+        got = await drained(q)
+    assert [m.message_id for m in got] == ids
+    assert [m.body for m in got] == [f"m{i}".encode() for i in range(5)]
+    assert [m.headers["N"] for m in got] == ["0", "1", "2", "3", "4"]
+    assert all(row[3] is not None for row in await rows(outbox))
+    assert (await outbox.backlog()).unsent == 0
+
+
+async def test_a_refused_message_holds_its_key_back_while_other_keys_go_on(outbox: Outbox, channel: Any) -> None:
+    """RabbitMQ refuses a message no queue takes (mandatory): the relay retries it with a backoff,
+    publishes nothing after it for its key, and the other key's messages go out meanwhile; once
+    the queue exists, the held key's messages go out in their order."""
+    missing = f"ob-late-{uuid.uuid4().hex[:8]}"
+    async with queue(channel) as q:
+        async with outbox.backend.transaction() as conn:
+            await outbox.add(conn, missing, b"a1", key="a")
+            await outbox.add(conn, q.name, b"a2", key="a")
+            await outbox.add(conn, q.name, b"b1", key="b")
+            await outbox.add(conn, q.name, b"b2", key="b")
+        relay = Relay(outbox, RabbitPublisher(AMQP), poll=0.1, first_retry=0.2, max_retry=0.4)
+        async with relay:
+            await wait_until(lambda: relay.stats.failed >= 2, 10)
+            early = [m.body for m in await drained(q)]
+            backlog = await outbox.backlog()
+            async with queue(channel, missing) as late:
+                await wait_until(lambda: relay.stats.published == 4, 10)
+                late_bodies = [m.body for m in await drained(late)]
+            rest = [m.body for m in await drained(q)]
+    assert early == [b"b1", b"b2"], "key b went on; a2 waited behind a1"
+    assert backlog.unsent == 2 and backlog.failing == 1 and "NO_ROUTE" in (backlog.last_error or "")
+    assert late_bodies == [b"a1"] and rest == [b"a2"]
+    assert next(row[4] for row in await rows(outbox)) >= 2, "a1 was tried again, with its attempts counted"
+
+
+async def test_a_broker_that_is_down_is_retried_with_a_backoff_and_nothing_is_lost(
+    outbox: Outbox, channel: Any
+) -> None:
+    async with queue(channel) as q:
+        async with outbox.backend.transaction() as conn:
+            for i in range(3):
+                await outbox.add(conn, q.name, str(i).encode(), key=f"k{i}")
+        publisher = RabbitPublisher(f"amqp://guest:guest@127.0.0.1:{free_port()}/", timeout=1)
+        relay = Relay(outbox, publisher, poll=0.05, first_retry=0.3, max_retry=5)
+        async with relay:
+            await asyncio.sleep(2)
+            attempts = [row[4] for row in await rows(outbox)]
+            assert relay.stats.published == 0 and (await outbox.backlog()).failing == 3
+            # 0.3 + 0.6 + 1.2 s of backoff: at most 3 tries each in 2 s, not one per poll (40)
+            assert all(1 <= a <= 3 for a in attempts), attempts
+            publisher.url = AMQP  # the broker is back
+            await wait_until(lambda: relay.stats.published == 3, 15)
+        assert sorted(m.body for m in await drained(q)) == [b"0", b"1", b"2"]
+
+
+async def test_one_relay_leads_and_another_takes_over_when_it_stops(outbox: Outbox, channel: Any) -> None:
+    async with queue(channel) as q:
+        first = Relay(outbox, RabbitPublisher(AMQP), poll=0.1, standby_poll=0.1)
+        second = Relay(outbox, RabbitPublisher(AMQP), poll=0.1, standby_poll=0.1)
+        async with first:
+            await wait_until(lambda: first.stats.leader, 5)
+            async with second:
+                for i in range(20):
+                    async with outbox.backend.transaction() as conn:
+                        await outbox.add(conn, q.name, str(i).encode(), key=f"k{i % 3}")
+                await wait_until(lambda: first.stats.published == 20, 10)
+                assert not second.stats.leader and second.stats.published == 0
+                await first.aclose()  # a graceful stop: its session's lock goes with it
+                await wait_until(lambda: second.stats.leader, 5)
+                async with outbox.backend.transaction() as conn:
+                    await outbox.add(conn, q.name, b"after", key="k0")
+                await wait_until(lambda: second.stats.published == 1, 10)
+        bodies = [m.body for m in await drained(q)]
+    assert sorted(bodies) == sorted([str(i).encode() for i in range(20)] + [b"after"]), "each published once"
+    for k in range(3):  # each key's messages in the order they were added
+        mine = [int(b) for b in bodies if b != b"after" and int(b) % 3 == k]
+        assert mine == sorted(mine)
+
+
+async def test_sent_messages_are_purged_after_keep_sent_and_unsent_ones_never(outbox: Outbox, channel: Any) -> None:
+    async with queue(channel) as q:
+        async with outbox.backend.transaction() as conn:
+            await outbox.add(conn, q.name, b"sent")
+            await outbox.add(conn, f"nowhere-{uuid.uuid4().hex[:6]}", b"refused", key="other")
+        relay = Relay(outbox, RabbitPublisher(AMQP), poll=0.1, keep_sent=0.2, purge_every=0.1)
+        async with relay:
+            await wait_until(lambda: relay.stats.purged == 1, 10)
+        left = await rows(outbox)
+    assert len(left) == 1 and left[0][3] is None, "the refused, unsent message stays"
+    assert await outbox.purge(0) == 0
+
+
+async def test_the_relay_command_publishes_what_is_due_and_exits(outbox: Outbox, channel: Any, capsys: Any) -> None:
+    backend = outbox.backend
+    table = backend.table.strip('"')
+    async with queue(channel) as q:
+        async with backend.transaction() as conn:
+            await outbox.add(conn, q.name, b"by the cli")
+        code = await cli(["--backend", POSTGRES_DSN, "--table", table, "--json", "relay", "--to", AMQP, "--once"])
+        got = await drained(q)
+    assert code == 0, capsys.readouterr().err
+    assert '"published": 1' in capsys.readouterr().out
+    assert [m.body for m in got] == [b"by the cli"]
+    assert await cli(["--backend", POSTGRES_DSN, "--table", table, "relay", "--to", "kafka://x"]) == 2
+    assert await cli(["--backend", "memory://", "relay", "--to", AMQP]) == 2
+    assert "Postgres outbox" in capsys.readouterr().err
+
+
+def test_publisher_for_names_the_brokers_it_knows() -> None:
+    assert type(publisher_for("amqps://mq/")).__name__ == "RabbitPublisher"
+    assert type(publisher_for("nats://n:4222")).__name__ == "NatsPublisher"
+    with pytest.raises(ConfigurationError):
+        publisher_for("nats://n:4222", exchange="x")
+    with pytest.raises(ConfigurationError):
+        Outbox(object())
+    with pytest.raises(ConfigurationError):
+        Outbox(object(), table="bad name")
