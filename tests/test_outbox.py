@@ -10,6 +10,9 @@ import asyncio
 import contextlib
 import os
 import random
+import re
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,10 +26,10 @@ from idem_asgi.backends import PostgresBackend
 from idem_asgi.errors import ConfigurationError
 from idem_asgi.ops.cli import run as cli
 from idem_asgi.outbox import Outbox, RabbitPublisher, Relay, publisher_for
-from tests.support.servers import free_port, require, wait_until
-from tests.support.stores import POSTGRES_DSN
+from tests.support.servers import POSTGRES_DSN, ROOT, free_port, require, wait_until
 
 AMQP = os.environ.get("IDEM_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
+NATS = os.environ.get("IDEM_NATS_URL", "nats://127.0.0.1:4222")
 
 
 @pytest.fixture
@@ -265,3 +268,24 @@ def test_publisher_for_names_the_brokers_it_knows() -> None:
         Outbox(object())
     with pytest.raises(ConfigurationError):
         Outbox(object(), table="bad name")
+
+
+def test_the_outbox_page_prints_what_its_example_prints() -> None:
+    """docs/outbox.md shows docs/outbox/charge_then_publish.py (a snippet line) and its output."""
+    require("postgres", POSTGRES_DSN)
+    require("nats", NATS)
+    page = (ROOT / "docs" / "outbox.md").read_text()
+    assert '--8<-- "docs/outbox/charge_then_publish.py"' in page
+    block = re.search(r"^```console\n\$ python docs/outbox/charge_then_publish.py\n(.*?)^```$", page, re.S | re.M)
+    assert block is not None
+    env = {**os.environ, "IDEM_POSTGRES_DSN": POSTGRES_DSN, "IDEM_NATS_URL": NATS}
+    done = subprocess.run(
+        [sys.executable, "docs/outbox/charge_then_publish.py"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == block.group(1)

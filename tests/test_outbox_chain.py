@@ -27,8 +27,7 @@ import pytest
 
 from idem_asgi.backends import PostgresBackend
 from idem_asgi.outbox import Outbox
-from tests.support.servers import free_port, require
-from tests.support.stores import POSTGRES_DSN
+from tests.support.servers import POSTGRES_DSN, free_port, require
 
 ROOT = Path(__file__).resolve().parent.parent
 AMQP = os.environ.get("IDEM_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
