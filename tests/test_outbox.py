@@ -289,3 +289,87 @@ def test_the_outbox_page_prints_what_its_example_prints() -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout == block.group(1)
+
+
+class SlowPublisher:
+    """The real RabbitMQ publisher, each publish taking `delay` seconds longer (a slow broker)."""
+
+    def __init__(self, delay: float) -> None:
+        self.inner = RabbitPublisher(AMQP)
+        self.delay = delay
+
+    async def publish(self, message: Any) -> None:
+        await self.inner.publish(message)
+        await asyncio.sleep(self.delay)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_graceful_stop_ends_the_round_in_progress_and_marks_it(outbox: Outbox, channel: Any) -> None:
+    """Stopped (`aclose`, SIGTERM for the command) while a round of 4 of one key's 12 messages is
+    being published: that round completes and is marked, no later round starts, and the next relay
+    publishes only the rest: 12 in the queue, each once, in order."""
+    async with queue(channel) as q:
+        async with outbox.backend.transaction() as conn:
+            for i in range(12):
+                await outbox.add(conn, q.name, str(i).encode(), key="one")
+        relay = Relay(outbox, SlowPublisher(0.1), batch=4, poll=0.1)
+        async with relay:
+            await asyncio.sleep(0.15)  # inside the first round
+        marked = sum(row[3] is not None for row in await rows(outbox))
+        got = [int(m.body) for m in await drained(q)]
+        assert marked == 4 and got == [0, 1, 2, 3], (marked, got)
+        after = Relay(outbox, RabbitPublisher(AMQP), poll=0.1)
+        async with after:
+            await wait_until(lambda: after.stats.published == 8, 10)
+        got += [int(m.body) for m in await drained(q)]
+    assert got == list(range(12))
+
+
+async def test_a_cancelled_relay_marks_what_was_confirmed_and_republishes_at_most_the_one_in_flight(
+    outbox: Outbox, channel: Any
+) -> None:
+    """Cancelled (a timeout around `run()`) mid-round: the publishes that returned are marked sent
+    (the mark is shielded); the one in flight when the cancel came may have reached the broker
+    unmarked, so the next relay publishes it again with the same id (a consumer keyed by it
+    applies it once). Nothing is lost and no other message goes twice."""
+    async with queue(channel) as q:
+        async with outbox.backend.transaction() as conn:
+            for i in range(12):
+                await outbox.add(conn, q.name, str(i).encode(), key="one")
+        relay = Relay(outbox, SlowPublisher(0.1), batch=12, poll=0.1)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(relay.run(), 0.45)
+        await relay.publisher.aclose()
+        marked = sum(row[3] is not None for row in await rows(outbox))
+        first = [m for m in await drained(q)]
+        assert 0 < marked < 12 and [int(m.body) for m in first][:marked] == list(range(marked))
+        assert len(first) - marked <= 1, "only the publish in flight may be unmarked"
+        after = Relay(outbox, RabbitPublisher(AMQP), poll=0.1)
+        async with after:
+            await wait_until(lambda: after.stats.published == 12 - marked, 10)
+        second = [m for m in await drained(q)]
+    ids = [m.message_id for m in first + second]
+    assert sorted({int(m.body) for m in first + second}) == list(range(12))
+    assert len(ids) - len(set(ids)) == len(first) - marked, "a republish carries its first id"
+
+
+async def test_a_relay_whose_database_session_is_killed_leads_again(outbox: Outbox, channel: Any) -> None:
+    async with queue(channel) as q:
+        relay = Relay(outbox, RabbitPublisher(AMQP), poll=0.1, first_retry=0.1)
+        async with relay:
+            await wait_until(lambda: relay.stats.leader, 5)
+            pool = await outbox._pool()
+            async with pool.acquire() as conn:
+                killed = await conn.fetchval(
+                    "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
+                    "AND objid::int = hashtext($1) AND granted",
+                    outbox.lock_name,
+                )
+            assert killed
+            async with outbox.backend.transaction() as conn:
+                await outbox.add(conn, q.name, b"after the kill")
+            await wait_until(lambda: relay.stats.published == 1, 10)
+            assert relay.stats.leader and "outbox store" in (relay.stats.last_error or "")
+        assert [m.body for m in await drained(q)] == [b"after the kill"]
