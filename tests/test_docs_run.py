@@ -35,7 +35,17 @@ from tests.support.snippets import ALONE, bound_names, compile_snippet, python_b
 
 AMQP = "amqp://guest:guest@127.0.0.1:5672/"
 NATS = "nats://127.0.0.1:4222"
-PAGES = ["client.md", "jobs.md", "operations.md", "postgres.md", "problems.md", "redis.md", "testing.md", "webhooks.md"]
+PAGES = [
+    "client.md",
+    "jobs.md",
+    "operations.md",
+    "outbox.md",
+    "postgres.md",
+    "problems.md",
+    "redis.md",
+    "testing.md",
+    "webhooks.md",
+]
 HOSTS = {
     "redis://localhost:6379/0": REDIS_URL,
     "postgresql://app@db.internal:5432/shop": POSTGRES_DSN,
