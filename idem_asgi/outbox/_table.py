@@ -98,11 +98,14 @@ class Outbox:
             f'CREATE INDEX IF NOT EXISTS {schema}"{bare}_unsent_idx" ON {t} (key, seq) WHERE sent_at IS NULL',
             f'CREATE INDEX IF NOT EXISTS {schema}"{bare}_sent_idx" ON {t} (sent_at) WHERE sent_at IS NOT NULL',
         ]
-        # One key's messages are added one transaction at a time (a transaction-scoped advisory lock on
-        # the key, taken before the row's seq is drawn), so seq order is commit order within a key.
+        # One statement (one round trip) per message. One key's messages are added one transaction at a
+        # time (a transaction-scoped advisory lock on the key, taken before the row's seq is drawn), so
+        # seq order is commit order within a key; the NOTIFY wakes the relay when the COMMIT lands.
         self._add = (
-            f"WITH held AS (SELECT pg_advisory_xact_lock(hashtext($6), hashtext($2))) "
-            f"INSERT INTO {t} (id, key, subject, body, headers) SELECT $1, $2, $3, $4, $5::jsonb FROM held"
+            f"WITH held AS (SELECT pg_advisory_xact_lock(hashtext($6), hashtext($2))), "
+            f"added AS (INSERT INTO {t} (id, key, subject, body, headers) "
+            f"SELECT $1, $2, $3, $4, $5::jsonb FROM held RETURNING 1) "
+            f"SELECT pg_notify($7, '') FROM added"  # delivered on COMMIT, dropped on rollback
         )
         # Due messages in seq order, except those behind an earlier unsent message of their key that
         # waits for its retry: a key's messages go out in the order they were added.
@@ -122,7 +125,6 @@ WHERE seq = $1 AND sent_at IS NULL"""
 FROM {t} WHERE sent_at IS NULL"""
         self._purge = f"""DELETE FROM {t} WHERE seq IN (
     SELECT seq FROM {t} WHERE sent_at IS NOT NULL AND sent_at < now() - make_interval(secs => $1::float8) LIMIT $2)"""
-        self._notify = "SELECT pg_notify($1, '')"
 
     async def _pool(self) -> Any:
         return await self.backend._get_pool()
@@ -160,8 +162,7 @@ FROM {t} WHERE sent_at IS NULL"""
         data = body.encode() if isinstance(body, str) else bytes(body)
         message_id = uuid.uuid4()
         fields = _json.encode(dict(headers or {})).decode()
-        await conn.execute(self._add, message_id, key, subject, data, fields, self.lock_name)
-        await conn.execute(self._notify, self.channel)  # delivered on COMMIT, dropped on rollback
+        await conn.execute(self._add, message_id, key, subject, data, fields, self.lock_name, self.channel)
         return str(message_id)
 
     async def due(self, conn: Any, limit: int) -> list[OutboxMessage]:
