@@ -27,6 +27,7 @@ SECTIONS = {"group_commit": "group-commit.jsonl", "history": "history.jsonl", "s
 SECTIONS["consumers"] = "consumer-rate.jsonl"
 SECTIONS["horizons"] = "horizons.jsonl"
 SECTIONS["postgres_table"] = "postgres-table.jsonl"
+SECTIONS["outbox"] = "outbox.jsonl"
 """latest.json's sections written from one benchmark's `--summary` file each (`--merge NAME FILE`)."""
 _MARK = re.compile(r"<!-- figures:([\w-]+) -->\n")
 
@@ -319,7 +320,43 @@ def _postgres_table(data: dict[str, Any]) -> list[str]:
     return out
 
 
-BLOCKS = {"scale": _scale, "consumers": _consumers, "horizons": _horizons, "postgres_table": _postgres_table}
+def _outbox(data: dict[str, Any]) -> list[str]:
+    writes, relays = _rows(data, "outbox", "write"), _rows(data, "outbox", "relay")
+    if not writes and not relays:
+        return ["No outbox figures in `benchmarks/latest.json` yet: `python3 dev.py bench`."]
+    out = [
+        f"Measured by `python -m benchmarks.bench_outbox` (run {(writes or relays)[-1]['run']}; medians of "
+        "alternating rounds):",
+        "",
+    ]
+    for w in writes[-1:]:
+        out += [
+            f"| {w['n']:,} payment transactions, {w['concurrency']} at a time | µs per transaction |",
+            "|---|---:|",
+            f"| ledger `INSERT` only (the floor) | {w['floor_us']:,.0f} |",
+            f"| the same + `outbox.add(...)` | {w['outbox_us']:,.0f} (+{w['outbox_us'] - w['floor_us']:,.0f}) |",
+            "",
+        ]
+    if relays:
+        out += [
+            "| relay to | messages (keys) | bare publisher, msg/s | relay, msg/s | relay / bare |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for r in relays:
+            out.append(
+                f"| {r['broker']} | {r['messages']:,} ({r['keys']}) | {r['bare_msg_s']:,} | {r['relay_msg_s']:,} "
+                f"| {r['relay_msg_s'] / r['bare_msg_s']:.2f} |"
+            )
+    return out
+
+
+BLOCKS = {
+    "scale": _scale,
+    "consumers": _consumers,
+    "horizons": _horizons,
+    "postgres_table": _postgres_table,
+    "outbox": _outbox,
+}
 """Blocks any page may hold, besides the README's and docs/benchmarks.md's standing ones."""
 
 

@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             ["benchmarks.bench_horizons", "--summary", str(OUT / "horizons.jsonl")],
         ),
         run("Message consumers (NATS JetStream)", ["benchmarks.bench_consumers"]),
+        run("The outbox: its write and its relay", ["benchmarks.bench_outbox", "--summary", str(OUT / "outbox.jsonl")]),
         run(
             "Message consumers' throughput beside a bare consumer (target 0.80)",
             ["benchmarks.bench_consumer_rate", "--summary", str(OUT / "consumer-rate.jsonl")],

@@ -153,3 +153,28 @@ def test_the_large_table_benchmark_measures_claims_during_its_purge(tmp_path: Pa
     assert row["latency"]["during_purge"]["new"]["n"] >= 10
     text = "\n".join(figures._postgres_table({"postgres_table": [row]}))
     assert "| 20,000 | " in text and "200 rows in" in text
+
+
+def test_the_outbox_benchmark_times_the_write_and_both_relays(tmp_path: Path) -> None:
+    """A tiny run of `benchmarks.bench_outbox`: a write row and a relay row per broker, each relay
+    having published every message (it waits for them), rendered into docs/outbox.md's block."""
+    import json
+
+    from benchmarks import figures
+    from tests.support.servers import POSTGRES_DSN
+
+    require("postgres", POSTGRES_DSN)
+    require("nats", "nats://127.0.0.1:4222")
+    require("rabbitmq", "amqp://guest:guest@127.0.0.1:5672/")
+    summary = tmp_path / "outbox.jsonl"
+    args = ["--n", "100", "--messages", "200", "--keys", "10", "--rounds", "1", "--summary", str(summary)]
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_outbox", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [json.loads(line) for line in summary.read_text().splitlines()]
+    assert [r["kind"] for r in rows] == ["write", "relay", "relay"]
+    assert rows[0]["floor_us"] > 0 and rows[0]["outbox_us"] > 0
+    assert {r["broker"] for r in rows[1:]} == {"nats", "rabbitmq"} and all(r["relay_msg_s"] > 0 for r in rows[1:])
+    text = "\n".join(figures._outbox({"outbox": rows}))
+    assert "| ledger `INSERT` only (the floor) |" in text and "| nats | 200 (10) |" in text
