@@ -79,7 +79,6 @@ class Outbox:
         self.table, bare = _quoted(table)
         schema = self.table.rsplit(".", 1)[0] + "." if "." in self.table else ""
         self.lock_name = self.table  # the relays' leader lock (one publishes at a time)
-        self.channel = f"{bare}_new"[:63]  # NOTIFY on commit wakes the relay at once
         t = self.table
         self.ddl = [
             f"""CREATE TABLE IF NOT EXISTS {t} (
@@ -100,12 +99,11 @@ class Outbox:
         ]
         # One statement (one round trip) per message. One key's messages are added one transaction at a
         # time (a transaction-scoped advisory lock on the key, taken before the row's seq is drawn), so
-        # seq order is commit order within a key; the NOTIFY wakes the relay when the COMMIT lands.
+        # seq order is commit order within a key. No NOTIFY: PostgreSQL serializes the commits of
+        # transactions that notify, a cost every payment would pay; the relay polls instead.
         self._add = (
-            f"WITH held AS (SELECT pg_advisory_xact_lock(hashtext($6), hashtext($2))), "
-            f"added AS (INSERT INTO {t} (id, key, subject, body, headers) "
-            f"SELECT $1, $2, $3, $4, $5::jsonb FROM held RETURNING 1) "
-            f"SELECT pg_notify($7, '') FROM added"  # delivered on COMMIT, dropped on rollback
+            f"WITH held AS (SELECT pg_advisory_xact_lock(hashtext($6), hashtext($2))) "
+            f"INSERT INTO {t} (id, key, subject, body, headers) SELECT $1, $2, $3, $4, $5::jsonb FROM held"
         )
         # Due messages in seq order, except those behind an earlier unsent message of their key that
         # waits for its retry: a key's messages go out in the order they were added.
@@ -162,7 +160,7 @@ FROM {t} WHERE sent_at IS NULL"""
         data = body.encode() if isinstance(body, str) else bytes(body)
         message_id = uuid.uuid4()
         fields = _json.encode(dict(headers or {})).decode()
-        await conn.execute(self._add, message_id, key, subject, data, fields, self.lock_name, self.channel)
+        await conn.execute(self._add, message_id, key, subject, data, fields, self.lock_name)
         return str(message_id)
 
     async def due(self, conn: Any, limit: int) -> list[OutboxMessage]:

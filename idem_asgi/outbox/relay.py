@@ -43,7 +43,8 @@ class Relay:
     """Publish an outbox's messages through `publisher`: `await relay.run()` (until cancelled or
     `stop()`), or `async with relay:` to run it as a background task of an app's lifespan.
 
-    `batch` messages per round trip; `poll` seconds between looks when no NOTIFY arrived; a refused
+    `batch` messages per round trip; `poll` seconds between looks when a round found fewer than
+    `batch` (a message waits `poll / 2` on average before its publish); a refused
     publish is retried after `first_retry` seconds, doubling per attempt up to `max_retry`; sent
     messages are deleted `keep_sent` seconds after they were sent (checked every `purge_every`).
     """
@@ -54,7 +55,7 @@ class Relay:
         publisher: Publisher,
         *,
         batch: int = 100,
-        poll: float = 1.0,
+        poll: float = 0.2,
         first_retry: float = 0.5,
         max_retry: float = 30.0,
         keep_sent: float = 86_400.0,
@@ -120,7 +121,7 @@ class Relay:
         await self.publisher.aclose()
 
     async def _rest(self, seconds: float) -> None:
-        """Sleep, cut short by `stop()` (or a NOTIFY while leading)."""
+        """Sleep, cut short by `stop()`."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), seconds)
         self._wake.clear()
@@ -142,7 +143,6 @@ class Relay:
                 return
             self.stats.leader = True
             logger.info("idem_asgi: outbox relay leads %s", self.outbox.table)
-            await conn.add_listener(self.outbox.channel, self._notified)
             while not self._stopping.is_set():
                 published = await self.round(conn)
                 await self._maybe_purge()
@@ -153,15 +153,11 @@ class Relay:
             with anyio.CancelScope(shield=True):
                 await self._hand_back(pool, conn, locked)
 
-    def _notified(self, *_: Any) -> None:
-        self._wake.set()
-
     async def _hand_back(self, pool: Any, conn: Any, locked: bool) -> None:
         """Give the lock up and the connection back; a connection that cannot do that is closed
         (its session ends, and the lock with it)."""
         try:
             with anyio.fail_after(5):
-                await conn.remove_listener(self.outbox.channel, self._notified)
                 if locked:
                     await conn.fetchval("SELECT pg_advisory_unlock(hashtext($1))", self.outbox.lock_name)
                 await pool.release(conn)
