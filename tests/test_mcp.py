@@ -26,14 +26,16 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp.shared.exceptions import MCPError
 from mcp_types import InputRequiredResult
 
-from idem_asgi._types import Message
+from idem_asgi._types import Message, Scope
 from idem_asgi.backends import Backend, MemoryBackend
-from idem_asgi.errors import BackendUnavailable
+from idem_asgi.errors import BackendMisconfigured, BackendUnavailable
 from idem_asgi.http import problems
+from idem_asgi.http.keys import scope_from_header
 from idem_asgi.jobs import current_job
 from idem_asgi.mcp import CODES, IdempotentTools
 from idem_asgi.records import ClaimResult, RecordKey
-from tests.support.servers import ROOT, serving
+from tests.support.asgi import StartupFailed, lifespan
+from tests.support.servers import POSTGRES_DSN, ROOT, require, serving
 from tests.support.stores import Delegating
 
 MODERN = "2026-07-28"
@@ -425,6 +427,103 @@ async def test_a_store_that_cannot_claim_is_a_store_unavailable_error_and_nothin
     assert RUNS[order] == 0
 
 
+class Misconfigured(Delegating):
+    """A store that refuses this app (no rights on its table): its start-up check and its claims
+    raise `BackendMisconfigured`."""
+
+    async def check(self) -> None:
+        raise BackendMisconfigured("permission denied for table idem_records")
+
+    async def claim(self, key: RecordKey, fingerprint: bytes, *, lease: float, ttl: float) -> ClaimResult:
+        raise BackendMisconfigured("permission denied for table idem_records")
+
+
+@pytest.fixture(params=["fake", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def misconfigured(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
+    """A store that can never serve this app: the fake above, or a Postgres whose database does not exist."""
+    if request.param == "fake":
+        yield Misconfigured(MemoryBackend())
+        return
+    from idem_asgi.backends.postgres import PostgresBackend
+
+    require("postgres", POSTGRES_DSN)
+    backend = PostgresBackend.from_dsn(
+        POSTGRES_DSN.rsplit("/", 1)[0] + "/no_such_database_idem", min_size=1, max_size=1
+    )
+    try:
+        yield backend
+    finally:
+        await backend.aclose()
+
+
+async def test_a_store_that_refuses_this_app_fails_the_lifespan_start_up(misconfigured: Backend) -> None:
+    """The store is checked once the app has started, as the middleware does: a store that can
+    never work fails the start-up (a store that can serve starts and stops)."""
+    async with lifespan(IdempotentTools(mcp_server().streamable_http_app(), MemoryBackend())):
+        pass
+    with pytest.raises(StartupFailed, match="the idempotency store refuses this app"):
+        async with lifespan(IdempotentTools(mcp_server().streamable_http_app(), misconfigured)):
+            pass
+
+
+async def test_a_store_that_refuses_this_app_is_a_store_misconfigured_error_and_nothing_runs() -> None:
+    """Served anyway (a server without lifespan): each protected call is refused with
+    store-misconfigured, with no retry_after (retrying will not help), and the tool never runs.
+    (The fake store only: a Postgres without its database takes 10 s to close after a claim.)"""
+    order = orders(1)[0]
+    app = IdempotentTools(
+        mcp_server().streamable_http_app(json_response=True), Misconfigured(MemoryBackend()), tools=PROTECTED
+    )
+    async with serving(app, lifespan="off") as base, httpx.AsyncClient(timeout=30) as http:
+        for rid in (1, 2):
+            _, answer = await call(http, base, rid, "charge", {"order": order, "amount": 1}, key=f"k-{order}")
+            assert "retry_after" not in error_of(answer, problems.STORE_MISCONFIGURED)["data"]
+    assert RUNS[order] == 0
+
+
+def tenant_of(scope: Scope) -> str | None:
+    """The `x-tenant` header a gateway sets; None without one."""
+    return next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-tenant"), None)
+
+
+async def test_a_scope_gives_each_tenant_its_own_run_and_replay_of_the_same_key(backend: Backend) -> None:
+    """`scope=`: two tenants sending the same key are two calls, each run once; each tenant's
+    retry replays its own tenant's result. A call the scope callable names nobody for is refused
+    with scope-required, one whose scope cannot be an owner with scope-malformed; neither runs."""
+    order = orders(1)[0]
+    args, key = {"order": order, "amount": 5}, f"k-{order}"
+    namespace = f"mcp-s-{uuid.uuid4().hex}"
+    by_header = IdempotentTools(
+        mcp_server().streamable_http_app(json_response=True), backend, namespace=namespace, scope=tenant_of
+    )
+    first: dict[str, Any] = {}
+    async with serving(by_header) as base, httpx.AsyncClient(timeout=30) as http:
+        for rid, tenant in enumerate(("acme", "globex")):
+            response, answer = await call(http, base, rid, "charge", args, key=key, **{"x-tenant": tenant})
+            assert "idempotent-replayed" not in response.headers
+            first[tenant] = answer["result"]
+        for rid, tenant in enumerate(("globex", "acme"), start=10):
+            response, answer = await call(http, base, rid, "charge", args, key=key, **{"x-tenant": tenant})
+            assert response.headers["idempotent-replayed"] == "true"
+            assert answer["result"] == first[tenant], tenant
+        _, nobody = await call(http, base, 20, "charge", args, key=key)
+    assert RUNS[order] == 2, "one run per tenant"
+    assert first["acme"] != first["globex"]
+    assert error_of(nobody, problems.SCOPE_REQUIRED)["data"]["type"].endswith("scope-required")
+
+    strict = IdempotentTools(
+        mcp_server().streamable_http_app(json_response=True),
+        backend,
+        namespace=namespace,
+        scope=scope_from_header("x-tenant"),
+    )
+    async with serving(strict) as base, httpx.AsyncClient(timeout=30) as http:
+        twice = [*headers("tools/call", "charge", key=key).items(), ("x-tenant", "acme"), ("x-tenant", "globex")]
+        response = await http.post(f"{base}/mcp", json=tool_call(21, "charge", args), headers=twice)
+    error_of(answer_to(response, 21), problems.SCOPE_MALFORMED)
+    assert RUNS[order] == 2
+
+
 # -- replays ---------------------------------------------------------------------------------------
 
 
@@ -528,6 +627,108 @@ async def test_other_methods_of_the_real_server_are_untouched(murl: str) -> None
             response, answer = await call(http, f"{murl}/z", rid, "lookup", {"order": order}, key="same-key")
             assert answer["result"]["content"][0]["text"] == f"looked up {order} ({rid})"
             assert "idempotent-replayed" not in response.headers
+
+
+async def test_a_body_over_max_body_passes_through_unprotected_and_byte_identical() -> None:
+    """A `tools/call` body larger than `max_body` is not read for a key: the app gets the very
+    messages sent (those read before the limit, then the rest), answers as it would, and runs on
+    every retry. A body of exactly `max_body` is still protected: its retry is replayed."""
+    seen: list[list[Message]] = []
+
+    async def tool_app(scope: Any, receive: Any, send: Any) -> None:
+        got = [await receive()]
+        while got[-1].get("more_body"):
+            got.append(await receive())
+        seen.append(got)
+        rid = json.loads(b"".join(m.get("body", b"") for m in got))["id"]
+        result = {"content": [{"type": "text", "text": f"run {len(seen)}"}], "isError": False}
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send(
+            {"type": "http.response.body", "body": json.dumps({"jsonrpc": "2.0", "id": rid, "result": result}).encode()}
+        )
+
+    def body(rid: int) -> bytes:
+        return json.dumps(tool_call(rid, "charge", {"order": "o-big", "amount": 1, "note": "x" * 2000})).encode()
+
+    size = len(body(1))
+    assert len(body(2)) == size
+    for limit, protected in ((size, True), (size - 1, False), (size // 3, False)):
+        app = IdempotentTools(tool_app, MemoryBackend(), max_body=limit)
+        seen.clear()
+        answers = []
+        for rid in (1, 2):
+            data = body(rid)
+            sent: list[Message] = [
+                {"type": "http.request", "body": data[i : i + 500], "more_body": i + 500 < len(data)}
+                for i in range(0, len(data), 500)
+            ]
+            pending = [dict(m) for m in sent]
+            answered: list[Message] = []
+
+            async def receive() -> Message:
+                return pending.pop(0)  # noqa: B023
+
+            async def send(message: Message) -> None:
+                answered.append(message)  # noqa: B023
+
+            scope = {"type": "http", "method": "POST", "path": "/mcp", "headers": [(b"idempotency-key", b"k-big")]}
+            await app(scope, receive, send)
+            if not protected or rid == 1:
+                assert seen[-1] == sent, (limit, rid)
+            answers.append(answered)
+        assert len(seen) == (1 if protected else 2), limit
+        replayed = [(b"idempotent-replayed", b"true") in a[0]["headers"] for a in answers]
+        assert replayed == [False, protected], limit
+        assert json.loads(answers[1][1]["body"])["result"]["content"][0]["text"] == f"run {len(seen)}"
+
+
+async def test_the_scope_is_asked_only_for_keyed_calls_and_an_empty_or_failing_one_is_refused(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """As on HTTP: a call without a key passes through whoever calls (its scope is not asked); an
+    empty tenant is nobody (`scope-required`), not a shared tenant ""; a scope callable that raises
+    is `scope-malformed`, its message logged redacted, never a 500 with the credential."""
+    runs: list[int] = []
+
+    async def tool_app(scope: Any, receive: Any, send: Any) -> None:
+        message = await receive()
+        rid = json.loads(message["body"])["id"]
+        runs.append(rid)
+        result = {"content": [{"type": "text", "text": f"run {len(runs)}"}], "isError": False}
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send(
+            {"type": "http.response.body", "body": json.dumps({"jsonrpc": "2.0", "id": rid, "result": result}).encode()}
+        )
+
+    def tenant(scope: Any) -> str | None:
+        headers = dict(scope["headers"])
+        if b"authorization" in headers:
+            raise KeyError(headers[b"authorization"].decode())
+        value = headers.get(b"x-tenant")
+        return None if value is None else value.decode()
+
+    app = IdempotentTools(tool_app, MemoryBackend(), scope=tenant)
+
+    async def post(rid: int, *headers: tuple[bytes, bytes]) -> dict[str, Any]:
+        answered: list[Message] = []
+        body = json.dumps(tool_call(rid, "charge", {"order": "o-1"})).encode()
+
+        async def receive() -> Message:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message: Message) -> None:
+            answered.append(message)
+
+        await app({"type": "http", "method": "POST", "path": "/mcp", "headers": list(headers)}, receive, send)
+        return dict(json.loads(answered[1]["body"]))
+
+    assert "result" in await post(1) and runs == [1], "no key, no tenant: passes through unprotected"
+    empty = await post(2, (b"idempotency-key", b"k-1"), (b"x-tenant", b""))
+    assert empty["error"]["code"] == CODES["scope-required"] and runs == [1]
+    with caplog.at_level("ERROR", logger="idem_asgi"):
+        failing = await post(3, (b"idempotency-key", b"k-1"), (b"authorization", b"Bearer sk_live_secret_123456"))
+    assert failing["error"]["code"] == CODES["scope-malformed"] and runs == [1]
+    assert "scope callable raised KeyError" in caplog.text and "sk_live_secret_123456" not in caplog.text
 
 
 # -- the docs page's example -----------------------------------------------------------------------

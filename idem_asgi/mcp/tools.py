@@ -8,6 +8,7 @@ from typing import Any, Final, Literal
 
 import msgspec
 
+from .._logging import redact
 from .._types import ASGIApp, Message, Receive, Scope, Send
 from ..backends import Backend
 from ..claims.surfaces import JOB, expect_results
@@ -105,12 +106,12 @@ class IdempotentTools:
             return
         try:
             key = self._key(scope, call)
+            if key is None:  # no key, none required: unprotected, whoever calls
+                await self.app(scope, receive, send)
+                return
             owner = self._owner(scope)
         except _Refusal as refusal:
             await wire.respond(scope, send, call.id, wire.error(refusal.problem, refusal.detail))
-            return
-        if key is None:
-            await self.app(scope, receive, send)
             return
         await self._claimed(scope, receive, send, call, key, owner)
 
@@ -141,8 +142,14 @@ class IdempotentTools:
             return None
         try:
             found = self.scope(scope)
-            if found is None:
-                raise _Refusal(problems.SCOPE_REQUIRED)
+        except InvalidScope as exc:
+            raise _Refusal(problems.SCOPE_MALFORMED, str(exc)) from None
+        except Exception as exc:  # its text may carry the credential it was reading
+            logger.error("idem_asgi: the MCP scope callable raised %s: %s", type(exc).__name__, redact(str(exc)))
+            raise _Refusal(problems.SCOPE_MALFORMED, "The scope of this call could not be determined.") from None
+        if found is None or found == "":  # nobody: an empty header is no tenant, as on HTTP
+            raise _Refusal(problems.SCOPE_REQUIRED)
+        try:
             return stored_scope(found)
         except InvalidScope as exc:
             raise _Refusal(problems.SCOPE_MALFORMED, str(exc)) from None
