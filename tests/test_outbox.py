@@ -25,7 +25,7 @@ from idem_asgi import IdempotencyMiddleware, RoutePolicy
 from idem_asgi.backends import PostgresBackend
 from idem_asgi.errors import ConfigurationError
 from idem_asgi.ops.cli import run as cli
-from idem_asgi.outbox import Outbox, RabbitPublisher, Relay, publisher_for
+from idem_asgi.outbox import NatsPublisher, Outbox, OutboxMessage, RabbitPublisher, Relay, publisher_for
 from tests.support.servers import POSTGRES_DSN, ROOT, free_port, require, wait_until
 
 AMQP = os.environ.get("IDEM_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
@@ -297,9 +297,11 @@ class SlowPublisher:
     def __init__(self, delay: float) -> None:
         self.inner = RabbitPublisher(AMQP)
         self.delay = delay
+        self.published = asyncio.Event()  # the broker confirmed the first message
 
     async def publish(self, message: Any) -> None:
         await self.inner.publish(message)
+        self.published.set()
         await asyncio.sleep(self.delay)
 
     async def aclose(self) -> None:
@@ -314,9 +316,10 @@ async def test_a_graceful_stop_ends_the_round_in_progress_and_marks_it(outbox: O
         async with outbox.backend.transaction() as conn:
             for i in range(12):
                 await outbox.add(conn, q.name, str(i).encode(), key="one")
-        relay = Relay(outbox, SlowPublisher(0.1), batch=4, poll=0.1)
+        slow = SlowPublisher(0.1)
+        relay = Relay(outbox, slow, batch=4, poll=0.1)
         async with relay:
-            await asyncio.sleep(0.15)  # inside the first round
+            await asyncio.wait_for(slow.published.wait(), 10)  # inside the first round
         marked = sum(row[3] is not None for row in await rows(outbox))
         got = [int(m.body) for m in await drained(q)]
         assert marked == 4 and got == [0, 1, 2, 3], (marked, got)
@@ -338,9 +341,14 @@ async def test_a_cancelled_relay_marks_what_was_confirmed_and_republishes_at_mos
         async with outbox.backend.transaction() as conn:
             for i in range(12):
                 await outbox.add(conn, q.name, str(i).encode(), key="one")
-        relay = Relay(outbox, SlowPublisher(0.1), batch=12, poll=0.1)
-        with pytest.raises(TimeoutError):
-            await asyncio.wait_for(relay.run(), 0.45)
+        slow = SlowPublisher(0.1)
+        relay = Relay(outbox, slow, batch=12, poll=0.1)
+        running = asyncio.create_task(relay.run())
+        await asyncio.wait_for(slow.published.wait(), 10)
+        await asyncio.sleep(0.3)  # a few more publishes, then the cancel lands mid-round
+        running.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running
         await relay.publisher.aclose()
         marked = sum(row[3] is not None for row in await rows(outbox))
         first = [m for m in await drained(q)]
@@ -392,3 +400,92 @@ async def test_a_rolled_back_message_is_never_published_and_a_committed_one_with
             await wait_until(lambda: relay.stats.published == 1, 2)
             assert relay.stats.published == 1
         assert [m.body for m in await drained(q)] == [b"committed"]
+
+
+async def held_relay_locks(outbox: Outbox) -> int:
+    pool = await outbox._pool()
+    async with pool.acquire() as conn:
+        return int(
+            await conn.fetchval(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid::int = hashtext($1) AND granted",
+                outbox.lock_name,
+            )
+        )
+
+
+async def test_a_relay_cancelled_at_any_moment_leaves_no_leader_lock_behind(outbox: Outbox) -> None:
+    """Cancelled 30 times at random moments (while asking for the lock, leading, handing the
+    connection back): the lock never stays on a pooled connection, so the next relay can lead."""
+    for _ in range(30):
+        relay = Relay(outbox, RabbitPublisher(AMQP), poll=0.01, standby_poll=0.01)
+        running = asyncio.create_task(relay.run())
+        await asyncio.sleep(random.random() / 50)
+        running.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
+        await relay.publisher.aclose()
+        assert await held_relay_locks(outbox) == 0
+    last = Relay(outbox, RabbitPublisher(AMQP), poll=0.05)
+    async with last:
+        await wait_until(lambda: last.stats.leader, 5)
+        assert last.stats.leader
+
+
+async def test_a_channel_the_broker_closed_is_opened_again(outbox: Outbox, channel: Any) -> None:
+    """RabbitMQ closes the publisher's channel (the exchange it publishes to was deleted): the
+    message is retried, and once the exchange is back the publisher opens a new channel and it goes."""
+    exchange_name = f"ob-x-{uuid.uuid4().hex[:8]}"
+
+    async def exchange_with_queue(q: Any) -> Any:
+        exchange = await channel.declare_exchange(exchange_name, aio_pika.ExchangeType.DIRECT)
+        await q.bind(exchange, routing_key="charged")
+        return exchange
+
+    async with queue(channel) as q:
+        exchange = await exchange_with_queue(q)
+        relay = Relay(outbox, RabbitPublisher(AMQP, exchange=exchange_name), poll=0.05, first_retry=0.1, max_retry=0.2)
+        async with relay:
+            async with outbox.backend.transaction() as conn:
+                await outbox.add(conn, "charged", b"first")
+            await wait_until(lambda: relay.stats.published == 1, 10)
+            await exchange.delete()
+            async with outbox.backend.transaction() as conn:
+                await outbox.add(conn, "charged", b"second")
+            await wait_until(lambda: relay.stats.failed >= 2, 10)
+            assert relay.stats.published == 1
+            await exchange_with_queue(q)
+            await wait_until(lambda: relay.stats.published == 2, 10)
+            assert relay.stats.published == 2
+        assert [m.body for m in await drained(q)] == [b"first", b"second"]
+        await channel.exchange_delete(exchange_name)
+
+
+async def test_headers_must_be_strings(outbox: Outbox) -> None:
+    async with outbox.backend.transaction() as conn:
+        with pytest.raises(ConfigurationError, match="strings"):
+            await outbox.add(conn, "s", b"x", headers={"n": 1})  # type: ignore[dict-item]
+    assert (await outbox.backlog()).unsent == 0
+
+
+async def test_a_nats_publisher_with_no_server_fails_within_its_timeout() -> None:
+    publisher = NatsPublisher(f"nats://127.0.0.1:{free_port()}", timeout=1)
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(Exception):  # noqa: B017 - nats-py's or asyncio's, either is this publish's error
+        await publisher.publish(OutboxMessage(1, str(uuid.uuid4()), "k", "s", b"x", {}, 0))
+    assert asyncio.get_running_loop().time() - started < 5, "not nats-py's minutes of connect retries"
+    await publisher.aclose()
+
+
+async def test_the_relay_command_once_beside_a_leader_publishes_nothing(
+    outbox: Outbox, channel: Any, capsys: Any
+) -> None:
+    table = outbox.backend.table.strip('"')
+    async with queue(channel) as q:
+        leader = Relay(outbox, RabbitPublisher(AMQP), poll=0.05)
+        async with leader:
+            await wait_until(lambda: leader.stats.leader, 5)
+            code = await cli(["--backend", POSTGRES_DSN, "--table", table, "relay", "--to", AMQP, "--once"])
+            assert code == 0 and "another relay leads" in capsys.readouterr().out
+        await drained(q)
+    missing = await cli(["--backend", POSTGRES_DSN, "--table", "no_such_records", "relay", "--to", AMQP, "--once"])
+    assert missing == 2 and "relay --setup" in capsys.readouterr().err

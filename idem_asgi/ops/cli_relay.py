@@ -13,7 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import ConfigurationError
@@ -35,7 +35,7 @@ def add_parser(sub: Any, common: Common) -> None:
 
 
 async def run_relay(args: argparse.Namespace) -> int:
-    from ..outbox import Outbox, Relay, publisher_for
+    from ..outbox import Backlog, Outbox, Relay, publisher_for
 
     if args.batch < 1:
         raise ConfigurationError("--batch must be at least 1")
@@ -44,26 +44,53 @@ async def run_relay(args: argparse.Namespace) -> int:
     publisher = publisher_for(args.to, exchange=args.exchange)
     async with open_store(args) as backend:
         outbox = Outbox(backend, table=args.outbox_table)
-        if args.setup:
-            await outbox.setup()
+        with _schema_errors(outbox):
+            if args.setup:
+                await outbox.setup()
+            await outbox.backlog()  # the table is there and readable, or exit 2 now (not retry forever)
         relay = Relay(outbox, publisher, batch=args.batch, keep_sent=args.keep_sent)
         if args.once:
-            pool = await backend._get_pool()
-            async with pool.acquire() as conn:
-                while await relay.round(conn) == args.batch:
-                    pass
-            await publisher.aclose()
+            try:
+                with _schema_errors(outbox):
+                    published = await relay.once()
+            finally:
+                await publisher.aclose()
+            if published is None:
+                emit(args, {"published": 0, "leader": False}, lambda: ["another relay leads: it publishes them"])
+                return 0
         else:
             loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            signals = [signal.SIGTERM, signal.SIGINT]
+            for sig in signals:
                 with contextlib.suppress(NotImplementedError, RuntimeError):
                     loop.add_signal_handler(sig, relay.stop)
             try:
                 await relay.run()
             finally:
+                for sig in signals:
+                    with contextlib.suppress(NotImplementedError, RuntimeError):
+                        loop.remove_signal_handler(sig)
                 await publisher.aclose()
-        backlog = await outbox.backlog()
+        try:
+            backlog: Backlog | None = await outbox.backlog()
+        except Exception:  # the store went away meanwhile: the counts in process still say what was done
+            backlog = None
     stats = relay.stats
-    doc = {"published": stats.published, "failed": stats.failed, "unsent": backlog.unsent}
-    emit(args, doc, lambda: [f"published {stats.published}, failed {stats.failed}, {backlog.unsent} unsent"])
-    return 0 if backlog.failing == 0 or not args.once else 1
+    unsent = None if backlog is None else backlog.unsent
+    doc = {"published": stats.published, "failed": stats.failed, "unsent": unsent}
+    emit(args, doc, lambda: [f"published {stats.published}, failed {stats.failed}, {unsent} unsent"])
+    return 1 if args.once and stats.failed else 0
+
+
+@contextlib.contextmanager
+def _schema_errors(outbox: Any) -> Iterator[None]:
+    """A missing outbox table or a missing right is the setup's fault: exit 2 with what to do."""
+    import asyncpg
+
+    try:
+        yield
+    except (asyncpg.UndefinedTableError, asyncpg.InsufficientPrivilegeError) as exc:
+        raise ConfigurationError(
+            f"outbox table {outbox.table}: {exc} (create it with `idem-asgi relay --setup` or Outbox.setup(), "
+            "or grant this role SELECT, UPDATE and DELETE on it)"
+        ) from None

@@ -157,6 +157,8 @@ FROM {t} WHERE sent_at IS NULL"""
             )
         if key is None:
             key = _claim_digest() or subject
+        if headers and not all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
+            raise ConfigurationError(f"outbox headers are strings (name: value), got {dict(headers)!r}")
         data = body.encode() if isinstance(body, str) else bytes(body)
         message_id = uuid.uuid4()
         fields = _json.encode(dict(headers or {})).decode()

@@ -33,18 +33,22 @@ class RabbitPublisher:
         self.exchange_name = exchange
         self.timeout = timeout
         self._connection: Any = None
+        self._channel: Any = None
         self._exchange: Any = None
         self._connecting = asyncio.Lock()  # keys publish side by side: one connection for all
 
     async def _ready(self) -> Any:
         async with self._connecting:
-            return self._exchange if self._exchange is not None else await self._connect()
+            if self._exchange is None or self._channel is None or self._channel.is_closed:
+                await self.aclose()  # the broker closed the channel or dropped the connection
+                return await self._connect()
+            return self._exchange
 
     async def _connect(self) -> Any:
         import aio_pika
 
         self._connection = await aio_pika.connect(self.url, timeout=self.timeout)
-        channel = await self._connection.channel(publisher_confirms=True, on_return_raises=True)
+        self._channel = channel = await self._connection.channel(publisher_confirms=True, on_return_raises=True)
         self._exchange = (
             channel.default_exchange
             if not self.exchange_name
@@ -68,13 +72,14 @@ class RabbitPublisher:
                 mandatory=True,
                 timeout=self.timeout,
             )
-        except BaseException:
-            if self._connection is None or self._connection.is_closed or self._exchange is None:
-                await self.aclose()  # connect again on the next publish
+        except (aio_pika.exceptions.DeliveryError, aio_pika.exceptions.PublishError):
+            raise  # the broker refused this message (no queue took it): the connection is fine
+        except Exception:
+            await self.aclose()  # anything else may have broken it: connect again on the next publish
             raise
 
     async def aclose(self) -> None:
-        connection, self._connection, self._exchange = self._connection, None, None
+        connection, self._connection, self._channel, self._exchange = self._connection, None, None, None
         if connection is not None:
             with contextlib.suppress(Exception):
                 await connection.close()
@@ -101,7 +106,11 @@ class NatsPublisher:
     async def _connect(self) -> None:
         import nats
 
-        self._nc = await nats.connect(self.url, connect_timeout=self.timeout, allow_reconnect=True)
+        # No reconnect loop of nats-py's own (its first connect would retry for minutes): a closed
+        # connection is opened again by the next publish, and a failed connect is that publish's error.
+        self._nc = await asyncio.wait_for(
+            nats.connect(self.url, connect_timeout=self.timeout, allow_reconnect=False), self.timeout
+        )
         self._js = self._nc.jetstream(timeout=self.timeout)
 
     async def publish(self, message: OutboxMessage) -> None:

@@ -24,6 +24,8 @@ from ._table import Outbox, OutboxMessage
 from .publishers import Publisher
 
 logger = logging.getLogger("idem_asgi.outbox")
+_LOCK = "SELECT pg_try_advisory_lock(hashtext($1))"
+"""The leader's lock: session-scoped, so it ends with the leader's connection, never by a timer."""
 
 
 @dataclass
@@ -78,22 +80,37 @@ class Relay:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._purged_at = 0.0
+        self._pause = first_retry  # the store's backoff: doubles per failure, reset by a round
 
     # -- running -------------------------------------------------------------------------------
 
     async def run(self) -> None:
         """Publish until `stop()` (the round in progress ends first: its publishes are marked sent)
         or cancellation. A store or broker that fails is retried with a backoff, never fatal."""
-        pause = self.first_retry
         while not self._stopping.is_set():
             try:
                 await self._lead()
-                pause = self.first_retry
             except Exception as exc:  # the store went away (or refused): stand back, try again
                 self.stats.leader = False
                 self._failed(f"outbox store: {type(exc).__name__}: {exc}")
-                await self._rest(pause)
-                pause = min(pause * 2, self.max_retry)
+                await self._rest(self._pause)
+                self._pause = min(self._pause * 2, self.max_retry)
+
+    async def once(self) -> int | None:
+        """Publish what is due now, as the leader, then give the lock up: how many were published,
+        or None when another relay leads (it publishes them). For `idem-asgi relay --once`."""
+        pool = await self.outbox._pool()
+        conn = await pool.acquire()
+        try:
+            if not await conn.fetchval(_LOCK, self.outbox.lock_name):
+                return None
+            before = self.stats.published
+            while True:  # until a round leaves rows behind or sends nothing (refused rows wait)
+                start = self.stats.published
+                if await self.round(conn) < self.batch or self.stats.published == start:
+                    return self.stats.published - before
+        finally:
+            await asyncio.shield(self._hand_back(pool, conn))
 
     def stop(self) -> None:
         """Ask the relay to stop after the round in progress (a graceful stop: SIGTERM)."""
@@ -129,37 +146,35 @@ class Relay:
     # -- leading -------------------------------------------------------------------------------
 
     async def _lead(self) -> None:
-        """Hold a connection, wait for the lock, then publish rounds until stopped."""
+        """Hold a connection, wait for the lock, then publish rounds until stopped. The connection
+        is always handed back with every advisory lock of its session released (or closed): a lock
+        granted while the call was cancelled must not stay on a pooled connection."""
         pool = await self.outbox._pool()
         conn = await pool.acquire()
-        locked = False
         try:
-            while not self._stopping.is_set():
-                locked = bool(await conn.fetchval("SELECT pg_try_advisory_lock(hashtext($1))", self.outbox.lock_name))
-                if locked:
-                    break
+            while not await conn.fetchval(_LOCK, self.outbox.lock_name):
+                if self._stopping.is_set():
+                    return
                 await self._rest(self.standby_poll)  # another relay publishes: stand by
-            if not locked:
-                return
             self.stats.leader = True
             logger.info("idem_asgi: outbox relay leads %s", self.outbox.table)
             while not self._stopping.is_set():
                 published = await self.round(conn)
+                self._pause = self.first_retry
                 await self._maybe_purge()
                 if published < self.batch:
                     await self._rest(self.poll)
         finally:
             self.stats.leader = False
-            with anyio.CancelScope(shield=True):
-                await self._hand_back(pool, conn, locked)
+            await asyncio.shield(self._hand_back(pool, conn))
 
-    async def _hand_back(self, pool: Any, conn: Any, locked: bool) -> None:
-        """Give the lock up and the connection back; a connection that cannot do that is closed
-        (its session ends, and the lock with it)."""
+    @staticmethod
+    async def _hand_back(pool: Any, conn: Any) -> None:
+        """Release the session's advisory locks and give the connection back; one that cannot is
+        closed (its session ends, and its locks with it)."""
         try:
             with anyio.fail_after(5):
-                if locked:
-                    await conn.fetchval("SELECT pg_advisory_unlock(hashtext($1))", self.outbox.lock_name)
+                await conn.execute("SELECT pg_advisory_unlock_all()")
                 await pool.release(conn)
         except Exception:
             conn.terminate()
@@ -187,13 +202,18 @@ class Relay:
                     return  # the key's later messages wait behind this one
                 sent.append(message.seq)
 
+        async def settle() -> None:
+            await self.outbox.mark_sent(conn, sent)
+            for message, error in refused:
+                await self.outbox.mark_failed(conn, message.seq, error, first=self.first_retry, most=self.max_retry)
+
         try:
             await asyncio.gather(*(publish(messages) for messages in by_key.values()))
-        finally:  # stopped or cancelled mid-round: what the broker has is marked, so fewer go twice
-            with anyio.CancelScope(shield=True):
-                await self.outbox.mark_sent(conn, sent)
-                for message, error in refused:
-                    await self.outbox.mark_failed(conn, message.seq, error, first=self.first_retry, most=self.max_retry)
+        except BaseException:  # cancelled mid-round: what the broker has is still marked, so fewer go twice
+            with contextlib.suppress(Exception):
+                await asyncio.shield(settle())
+            raise
+        await asyncio.shield(settle())
         self.stats.published += len(sent)
         self.stats.batches += 1
         self.stats.last_batch_at = time.time()
